@@ -1,0 +1,96 @@
+//! The one error type of this crate: every check names the offending value.
+
+use moefuse_kernels::KernelError;
+
+/// Which operand a check is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operand {
+    /// The left operand, `[m, k]`.
+    A,
+    /// The right operand, `[n, k]` or `[k, n]`.
+    B,
+    /// The output, `[m, n]`.
+    D,
+    /// The device workspace.
+    Workspace,
+}
+
+/// Everything a GEMM call can fail with; all host-knowable cases fail before any launch.
+#[derive(Debug, thiserror::Error)]
+pub enum GemmError {
+    /// A dimension is zero where the kernel needs work, or too large for 32-bit indexing.
+    #[error("invalid shape m={m} n={n} k={k}: {why}")]
+    InvalidShape {
+        /// Rows.
+        m: usize,
+        /// Columns.
+        n: usize,
+        /// Inner dimension.
+        k: usize,
+        /// The rule broken.
+        why: &'static str,
+    },
+    /// A leading dimension is not a multiple of 8 elements (16 bytes, the TMA rule).
+    #[error("operand {operand:?}: {dim} = {value} must be a multiple of {required} elements (16-byte rows for TMA)")]
+    Misaligned {
+        /// Operand.
+        operand: Operand,
+        /// Which dimension sets the row pitch.
+        dim: &'static str,
+        /// Its value.
+        value: usize,
+        /// The required multiple.
+        required: usize,
+    },
+    /// A device pointer is not 16-byte aligned (a view that starts mid-row).
+    #[error("operand {operand:?}: device address {address:#x} is not {required}-byte aligned")]
+    MisalignedPointer {
+        /// Operand.
+        operand: Operand,
+        /// The address.
+        address: u64,
+        /// Required alignment in bytes.
+        required: u64,
+    },
+    /// A buffer holds fewer elements than the problem reads or writes.
+    #[error("operand {operand:?}: buffer has {got} elements, the problem needs {needed}")]
+    BufferTooSmall {
+        /// Operand.
+        operand: Operand,
+        /// Elements needed.
+        needed: usize,
+        /// Elements present.
+        got: usize,
+    },
+    /// The device's architecture has no kernels in moefuse at all.
+    #[error("unsupported GPU: compute capability {major}.{minor}; moefuse has kernels for 9.0 (sm_90a) and 10.0 (sm_100a)")]
+    UnsupportedArch {
+        /// Found major.
+        major: i32,
+        /// Found minor.
+        minor: i32,
+    },
+    /// The device's architecture is supported but was not compiled into this build.
+    #[error("this GPU needs {arch} kernels, but this build compiled [{built}]: rebuild with MOEFUSE_CUDA_ARCHS including {arch}")]
+    ArchNotBuilt {
+        /// Needed target.
+        arch: &'static str,
+        /// Targets compiled.
+        built: String,
+    },
+    /// No compiled variant implements the request (e.g. an override names an unknown one).
+    #[error("no compiled variant for {what}")]
+    NoVariant {
+        /// What was asked for.
+        what: String,
+    },
+    /// The plan belongs to another device or layout than the call.
+    #[error("plan mismatch: {0}")]
+    PlanMismatch(&'static str),
+    /// The kernel library refused or failed the launch.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A CUDA driver call failed.
+    #[error(transparent)]
+    Driver(#[from] cudarc::driver::DriverError),
+}

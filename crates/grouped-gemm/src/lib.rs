@@ -1,0 +1,38 @@
+//! Safe bf16 GEMMs for Mixture-of-Experts layers on Hopper (sm_90a) and Blackwell
+//! (sm_100a), on cudarc streams and device buffers. Usable on its own.
+//!
+//! 1. Make a [`Gemm`] for a context: it checks the GPU against the compiled kernels.
+//! 2. Describe the problem with a [`GemmDesc`] and [`Gemm::plan`] it: validation and the
+//!    variant heuristic run on the host, with no allocation and no launch.
+//! 3. Allocate [`GemmPlan::workspace_bytes`] of workspace (0 today) and [`Gemm::run`] on
+//!    a stream; outputs and workspace are the caller's, so runs capture into CUDA graphs.
+//! 4. [`reference`] computes the same problem on the CPU, for tests.
+//!
+//! **Memory layout.** Row-major throughout: A `[m, k]`, B `[n, k]` ([`BLayout::Nk`], as
+//! `nn.Linear` stores weights) or `[k, n]` ([`BLayout::Kn`]), D `[m, n]`; bf16 operands,
+//! fp32 accumulation. `k` and `n` must be multiples of 8 (16-byte rows for TMA); `m` is
+//! free, and `m = 0` is a no-op.
+//!
+//! ```no_run
+//! use moefuse_grouped_gemm::{Gemm, GemmDesc};
+//! use half::bf16;
+//! let ctx = cudarc::driver::CudaContext::new(0)?;
+//! let stream = ctx.default_stream();
+//! let (m, n, k) = (4096, 4096, 4096);
+//! let a = stream.clone_htod(&vec![bf16::from_f32(1.0); m * k])?;
+//! let b = stream.clone_htod(&vec![bf16::from_f32(1.0); n * k])?;
+//! let mut d = stream.alloc_zeros::<bf16>(m * n)?;
+//! let gemm = Gemm::new(&ctx)?;
+//! let plan = gemm.plan(&GemmDesc::new(m, n, k))?;
+//! gemm.run(&plan, &stream, &a, &b, &mut d, None)?;
+//! stream.synchronize()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod error;
+mod gemm;
+mod heuristics;
+pub mod reference;
+
+pub use error::{GemmError, Operand};
+pub use gemm::{BLayout, Gemm, GemmDesc, GemmPlan};

@@ -1,0 +1,242 @@
+//! Translation units, parallel nvcc with the cache, and the static archive.
+
+use crate::cache::{hash_bytes, parse_depfile, Cache};
+use crate::{io_err, Arch, BuildError, Toolchain, PINS};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{mpsc, Mutex};
+use std::time::Instant;
+
+/// Flags every unit gets. `-DNDEBUG` matters: without it ptxas serialises WGMMA (C7510).
+pub const NVCC_FLAGS: &[&str] = &[
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "-DNDEBUG",
+    "-O3",
+    "-Xcompiler=-fPIC",
+    "-Xptxas=-warn-spills,-warn-lmem-usage",
+];
+
+/// One translation unit: a kernel instance for one arch, or host-only code (`arch: None`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    /// The `.cu`/`.cpp` file.
+    pub source: PathBuf,
+    /// Target arch; `None` for host-only files.
+    pub arch: Option<Arch>,
+}
+
+impl Unit {
+    /// A short label: `sm90a/<file stem>` or `host/<file stem>`.
+    pub fn label(&self) -> String {
+        let stem = self.source.file_stem().unwrap_or_default().to_string_lossy();
+        format!("{}/{stem}", self.arch.map_or("host", Arch::name))
+    }
+}
+
+/// A compiled object.
+#[derive(Debug, Clone)]
+pub struct Object {
+    /// The unit it came from.
+    pub unit: Unit,
+    /// Path of the object in the cache.
+    pub path: PathBuf,
+    /// True when the cache supplied it and nvcc did not run.
+    pub cached: bool,
+    /// Seconds nvcc took (0 when cached).
+    pub seconds: f64,
+}
+
+/// Progress of [`compile_all`], for bars and logs.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// nvcc started on a unit.
+    Started(Unit),
+    /// A unit is done (compiled or taken from the cache).
+    Finished(Object),
+}
+
+/// The units of `kernels_dir` for `archs`: `abi/*.cpp` (host-only) and
+/// `instances/<arch>/*.cu`, sorted. With no archs, no units (a build without kernels).
+pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError> {
+    if archs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut out = list(&kernels_dir.join("abi"), "cpp")?
+        .into_iter()
+        .map(|source| Unit { source, arch: None })
+        .collect::<Vec<_>>();
+    for &arch in archs {
+        for source in list(&kernels_dir.join("instances").join(arch.name()), "cu")? {
+            out.push(Unit { source, arch: Some(arch) });
+        }
+    }
+    Ok(out)
+}
+
+fn list(dir: &Path, ext: &str) -> Result<Vec<PathBuf>, BuildError> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
+        let path = entry.map_err(io_err(dir))?.path();
+        if path.extension().is_some_and(|e| e == ext) {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Parallel jobs: cores, capped so that each nvcc of a CUTLASS kernel has ~3.5 GB.
+pub fn default_jobs() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mem_gb = fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(8.0, |kb| kb as f64 / 1048576.0);
+    cores.min((mem_gb / 3.5).floor().max(1.0) as usize).max(1)
+}
+
+/// Compiles `units` with up to `jobs` nvcc processes, reusing the cache; `on_event`
+/// sees each start and finish. Returns objects in the order of `units`.
+pub fn compile_all(
+    tc: &Toolchain,
+    kernels_dir: &Path,
+    units: &[Unit],
+    jobs: usize,
+    cache: &Cache,
+    on_event: impl Fn(Event) + Sync,
+) -> Result<Vec<Object>, BuildError> {
+    let kernels_dir = kernels_dir.canonicalize().map_err(io_err(kernels_dir))?;
+    let queue = Mutex::new(units.iter().enumerate());
+    let (tx, rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        for _ in 0..jobs.max(1).min(units.len().max(1)) {
+            let tx = tx.clone();
+            let (queue, on_event, kernels_dir) = (&queue, &on_event, &kernels_dir);
+            s.spawn(move || loop {
+                let Some((i, unit)) = queue.lock().expect("queue poisoned").next() else { break };
+                let result = compile_one(tc, kernels_dir, unit, cache, on_event);
+                let failed = result.is_err();
+                let _ = tx.send((i, result));
+                if failed {
+                    break;
+                }
+            });
+        }
+    });
+    drop(tx);
+    let mut done: Vec<(usize, Object)> = Vec::with_capacity(units.len());
+    for (i, result) in rx {
+        done.push((i, result?));
+    }
+    done.sort_by_key(|(i, _)| *i);
+    Ok(done.into_iter().map(|(_, o)| o).collect())
+}
+
+fn unit_flags(tc: &Toolchain, kernels_dir: &Path, unit: &Unit) -> Vec<String> {
+    let mut flags: Vec<String> = NVCC_FLAGS.iter().map(|s| s.to_string()).collect();
+    flags.push(format!("-I{}", kernels_dir.join("include").display()));
+    for inc in &tc.cutlass_include {
+        flags.push(format!("-I{}", inc.display()));
+    }
+    if let Some(arch) = unit.arch {
+        flags.push(arch.gencode().to_string());
+    }
+    flags
+}
+
+fn compile_one(
+    tc: &Toolchain,
+    kernels_dir: &Path,
+    unit: &Unit,
+    cache: &Cache,
+    on_event: &(impl Fn(Event) + Sync),
+) -> Result<Object, BuildError> {
+    let source_text = fs::read(&unit.source).map_err(io_err(&unit.source))?;
+    let flags = unit_flags(tc, kernels_dir, unit);
+    let key = hash_bytes(&[
+        &source_text,
+        flags.join(" ").as_bytes(),
+        PINS.stamp().as_bytes(),
+        tc.nvcc_version.as_bytes(),
+        unit.label().as_bytes(),
+    ]);
+    if let Some(path) = cache.lookup(&key) {
+        let obj = Object { unit: unit.clone(), path, cached: true, seconds: 0.0 };
+        on_event(Event::Finished(obj.clone()));
+        return Ok(obj);
+    }
+    on_event(Event::Started(unit.clone()));
+    let entry = cache.entry(&key);
+    fs::create_dir_all(&entry).map_err(io_err(&entry))?;
+    let (object, depfile) = (entry.join("object.o"), entry.join("object.d"));
+    let start = Instant::now();
+    let out = Command::new(tc.nvcc())
+        .args(&flags)
+        .arg("-MD")
+        .arg("-MF")
+        .arg(&depfile)
+        .arg("-c")
+        .arg(&unit.source)
+        .arg("-o")
+        .arg(&object)
+        .output()
+        .map_err(|e| BuildError::Tool { tool: tc.nvcc().display().to_string(), detail: e.to_string() })?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let arch = unit.arch.map_or("host", Arch::name).to_string();
+    if !out.status.success() {
+        let _ = fs::remove_file(&object);
+        return Err(BuildError::Nvcc { source_file: unit.source.clone(), arch, stderr });
+    }
+    check_spills(unit, &stderr)?;
+    let deps_text = fs::read_to_string(&depfile).map_err(io_err(&depfile))?;
+    let deps: Vec<PathBuf> = parse_depfile(&deps_text)
+        .into_iter()
+        .filter_map(|p| p.canonicalize().ok())
+        .filter(|p| p.starts_with(kernels_dir))
+        .collect();
+    cache.record(&key, &deps)?;
+    let obj = Object { unit: unit.clone(), path: object, cached: false, seconds: start.elapsed().as_secs_f64() };
+    on_event(Event::Finished(obj.clone()));
+    Ok(obj)
+}
+
+fn check_spills(unit: &Unit, stderr: &str) -> Result<(), BuildError> {
+    let report: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("spill") || l.contains("Local memory") || l.contains("local memory"))
+        .collect();
+    if report.is_empty() || std::env::var_os("MOEFUSE_ALLOW_SPILLS").is_some() {
+        return Ok(());
+    }
+    Err(BuildError::Spill { source_file: unit.source.clone(), report: report.join("\n") })
+}
+
+/// Packs `objects` into the static library `out` (replacing it), with member names taken
+/// from the unit labels so two variants never collide.
+pub fn archive(objects: &[Object], out: &Path) -> Result<(), BuildError> {
+    let staging = out.with_extension("members");
+    let _ = fs::remove_dir_all(&staging);
+    fs::create_dir_all(&staging).map_err(io_err(&staging))?;
+    let mut members = Vec::new();
+    for obj in objects {
+        let name = staging.join(format!("{}.o", obj.unit.label().replace('/', "_")));
+        fs::copy(&obj.path, &name).map_err(io_err(&name))?;
+        members.push(name);
+    }
+    let _ = fs::remove_file(out);
+    let status = Command::new("ar")
+        .arg("crs")
+        .arg(out)
+        .args(&members)
+        .status()
+        .map_err(|e| BuildError::Tool { tool: "ar".into(), detail: e.to_string() })?;
+    if !status.success() {
+        return Err(BuildError::Tool { tool: "ar".into(), detail: format!("exit status {status}") });
+    }
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! Rust mirror of `kernels/include/moefuse/abi.h`, in bindgen's shape (type names as in
+//! the header, `#[repr(C)]`, layout assertions). Kept by hand because the launchers are
+//! per-variant and declared by build.rs from the variant table; the layout tests below
+//! and the `abi_version` check at first use catch drift from the header.
+
+#![allow(non_camel_case_types)]
+
+use std::ffi::{c_char, c_void};
+
+/// `MOEFUSE_ABI_VERSION` this crate was written against.
+pub const MOEFUSE_ABI_VERSION: u32 = 1;
+
+/// `moefuse_status`: kept as a plain integer so an unknown value cannot be undefined behaviour.
+pub type MoefuseStatus = i32;
+/// `MOEFUSE_STATUS_OK`
+pub const MOEFUSE_STATUS_OK: MoefuseStatus = 0;
+/// `MOEFUSE_STATUS_MISALIGNED`
+pub const MOEFUSE_STATUS_MISALIGNED: MoefuseStatus = 1;
+/// `MOEFUSE_STATUS_INVALID_PROBLEM`
+pub const MOEFUSE_STATUS_INVALID_PROBLEM: MoefuseStatus = 2;
+/// `MOEFUSE_STATUS_ARCH_MISMATCH`
+pub const MOEFUSE_STATUS_ARCH_MISMATCH: MoefuseStatus = 3;
+/// `MOEFUSE_STATUS_WORKSPACE_TOO_SMALL`
+pub const MOEFUSE_STATUS_WORKSPACE_TOO_SMALL: MoefuseStatus = 4;
+/// `MOEFUSE_STATUS_CUDA_ERROR`
+pub const MOEFUSE_STATUS_CUDA_ERROR: MoefuseStatus = 5;
+/// `MOEFUSE_STATUS_INTERNAL`
+pub const MOEFUSE_STATUS_INTERNAL: MoefuseStatus = 6;
+
+/// `MOEFUSE_B_LAYOUT_NK`: B stored `[n, k]` row-major.
+pub const MOEFUSE_B_LAYOUT_NK: i32 = 0;
+/// `MOEFUSE_B_LAYOUT_KN`: B stored `[k, n]` row-major.
+pub const MOEFUSE_B_LAYOUT_KN: i32 = 1;
+
+/// `moefuse_gemm_args`: `D = alpha * A * B + beta * C`, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseGemmArgs {
+    /// Rows of A, C, D.
+    pub m: i32,
+    /// Columns of B, C, D.
+    pub n: i32,
+    /// Inner dimension.
+    pub k: i32,
+    /// `MOEFUSE_B_LAYOUT_*`.
+    pub b_layout: i32,
+    /// A, `[m, k]` row-major.
+    pub a: *const c_void,
+    /// B, `[n, k]` or `[k, n]` row-major.
+    pub b: *const c_void,
+    /// C, `[m, n]` row-major; may be null when `beta == 0`.
+    pub c: *const c_void,
+    /// D, `[m, n]` row-major.
+    pub d: *mut c_void,
+    /// Leading dimension of A (elements).
+    pub lda: i64,
+    /// Leading dimension of B.
+    pub ldb: i64,
+    /// Leading dimension of C.
+    pub ldc: i64,
+    /// Leading dimension of D.
+    pub ldd: i64,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of C.
+    pub beta: f32,
+}
+
+/// A variant's launcher: `moefuse_<variant>(args, workspace, workspace_bytes, stream)`.
+pub type GemmLaunchFn = unsafe extern "C" fn(*const MoefuseGemmArgs, *mut c_void, usize, *mut c_void) -> MoefuseStatus;
+/// A variant's workspace query: `moefuse_<variant>_workspace(args)`.
+pub type GemmWorkspaceFn = unsafe extern "C" fn(*const MoefuseGemmArgs) -> usize;
+
+#[cfg(moefuse_kernels_linked)]
+extern "C" {
+    /// `moefuse_abi_version()`
+    pub fn moefuse_abi_version() -> u32;
+    /// `moefuse_last_error()`: thread-local, NUL-terminated, never null.
+    pub fn moefuse_last_error() -> *const c_char;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{align_of, offset_of, size_of};
+
+    #[test]
+    fn gemm_args_layout_matches_abi_h() {
+        assert_eq!(size_of::<MoefuseGemmArgs>(), 88);
+        assert_eq!(align_of::<MoefuseGemmArgs>(), 8);
+        assert_eq!(offset_of!(MoefuseGemmArgs, b_layout), 12);
+        assert_eq!(offset_of!(MoefuseGemmArgs, a), 16);
+        assert_eq!(offset_of!(MoefuseGemmArgs, d), 40);
+        assert_eq!(offset_of!(MoefuseGemmArgs, lda), 48);
+        assert_eq!(offset_of!(MoefuseGemmArgs, ldd), 72);
+        assert_eq!(offset_of!(MoefuseGemmArgs, alpha), 80);
+        assert_eq!(offset_of!(MoefuseGemmArgs, beta), 84);
+    }
+}

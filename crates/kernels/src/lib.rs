@@ -1,0 +1,174 @@
+//! moefuse's CUDA kernels behind a C ABI.
+//!
+//! **Loading path:** kernels are compiled ahead of time by `build.rs` (through
+//! `moefuse-kernel-build`, the same code as `cargo xtask build-kernels`) for the targets
+//! in `MOEFUSE_CUDA_ARCHS` (default `90a,100a`; `none` for a build without kernels),
+//! archived into a static library and linked with the static CUDA runtime. Nothing is
+//! loaded or JIT-compiled at run time, and nothing links against `libcuda`: the runtime
+//! finds the driver when the first kernel launches.
+//!
+//! 1. [`VARIANTS`] is the table of every variant; [`compiled`] lists those in this build.
+//! 2. [`built_archs`] says which targets were compiled.
+//! 3. [`launch_gemm`] is the one `unsafe` entry: it calls a variant's launcher and turns
+//!    its status into a [`KernelError`]. Safe wrappers live in `moefuse-grouped-gemm`.
+//!
+//! ```
+//! for v in moefuse_kernels::compiled() {
+//!     println!("{}", v.name());
+//! }
+//! ```
+
+pub mod ffi;
+
+mod error;
+#[allow(clippy::all)]
+mod variant_table;
+
+pub use error::{KernelError, Status};
+pub use variant_table::{Op, Schedule, VariantArch, VariantSpec, VARIANTS};
+
+use std::ffi::c_void;
+
+#[allow(unused_imports)]
+use ffi::MoefuseGemmArgs;
+#[allow(unused_imports)]
+use ffi::MoefuseStatus;
+
+/// A variant compiled into this build: its spec and its two C entry points.
+#[derive(Debug, Clone, Copy)]
+pub struct CompiledVariant {
+    /// What the variant is.
+    pub spec: &'static VariantSpec,
+    run: ffi::GemmLaunchFn,
+    workspace: ffi::GemmWorkspaceFn,
+}
+
+impl CompiledVariant {
+    /// The variant's name (see [`VariantSpec::name`]).
+    pub fn name(&self) -> String {
+        self.spec.name()
+    }
+}
+
+include!(concat!(env!("OUT_DIR"), "/registry.rs"));
+
+/// The variants compiled into this build, in table order.
+///
+/// ```
+/// let n = moefuse_kernels::compiled().len();
+/// assert!(n <= moefuse_kernels::VARIANTS.len());
+/// ```
+pub fn compiled() -> &'static [CompiledVariant] {
+    COMPILED
+}
+
+/// The targets this build compiled, e.g. `["sm90a", "sm100a"]` (empty for `none`).
+///
+/// ```
+/// let archs = moefuse_kernels::built_archs();
+/// assert!(archs.iter().all(|a| *a == "sm90a" || *a == "sm100a"));
+/// ```
+pub fn built_archs() -> Vec<&'static str> {
+    env!("MOEFUSE_BUILT_ARCHS").split(',').filter(|s| !s.is_empty()).collect()
+}
+
+/// Checks the linked library's ABI version against these bindings.
+///
+/// ```
+/// moefuse_kernels::check_abi().unwrap();
+/// ```
+pub fn check_abi() -> Result<(), KernelError> {
+    #[cfg(moefuse_kernels_linked)]
+    {
+        // SAFETY: a plain getter with no arguments and no side effects.
+        let found = unsafe { ffi::moefuse_abi_version() };
+        if found != ffi::MOEFUSE_ABI_VERSION {
+            return Err(KernelError::AbiMismatch { found, expected: ffi::MOEFUSE_ABI_VERSION });
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of device workspace `variant` needs for `args` (0 when the device or the
+/// arguments do not fit the variant; [`launch_gemm`] then reports why).
+pub fn gemm_workspace_bytes(variant: &CompiledVariant, args: &MoefuseGemmArgs) -> usize {
+    // SAFETY: the query reads `args` (a valid reference for the call) and device
+    // attributes; it dereferences none of the pointers inside `args`.
+    unsafe { (variant.workspace)(args) }
+}
+
+/// Launches `variant` on `stream` with `args` and `workspace`.
+///
+/// # Safety
+/// Every pointer in `args` must address device memory of the current context, valid for
+/// the extents `args` describes (A `m x lda`, B per layout, C and D `m x ldc`/`ldd`) until
+/// the kernel has finished on `stream`; `workspace` must address `workspace_bytes` of
+/// device memory (or be null when 0 bytes are needed); `stream` must be a live stream of
+/// the current context; the caller must have made that context current on this thread.
+pub unsafe fn launch_gemm(
+    variant: &CompiledVariant,
+    args: &MoefuseGemmArgs,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    stream: *mut c_void,
+) -> Result<(), KernelError> {
+    // SAFETY: forwarded from this function's contract.
+    let raw = unsafe { (variant.run)(args, workspace, workspace_bytes, stream) };
+    if raw == ffi::MOEFUSE_STATUS_OK {
+        return Ok(());
+    }
+    Err(KernelError::Launch { variant: variant.name(), status: Status::from_raw(raw), message: last_error() })
+}
+
+/// The library's message for the last failure on this thread.
+fn last_error() -> String {
+    #[cfg(moefuse_kernels_linked)]
+    {
+        // SAFETY: moefuse_last_error returns a pointer to a thread-local, NUL-terminated
+        // buffer that lives as long as the thread; it is copied before anything else runs.
+        let msg = unsafe { std::ffi::CStr::from_ptr(ffi::moefuse_last_error()) };
+        msg.to_string_lossy().into_owned()
+    }
+    #[cfg(not(moefuse_kernels_linked))]
+    String::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn variant_names_are_unique_and_follow_the_grammar() {
+        let mut seen = HashSet::new();
+        for v in VARIANTS {
+            let name = v.name();
+            assert!(seen.insert(name.clone()), "duplicate variant {name}");
+            let fields: Vec<&str> = name.split('_').collect();
+            assert_eq!(fields[0], v.arch.name(), "{name}");
+            assert!(name.contains("_bf16_f32_"), "{name}");
+            assert!(name.ends_with(v.schedule.name()), "{name}");
+        }
+    }
+
+    #[test]
+    fn compiled_variants_match_built_archs() {
+        let archs = built_archs();
+        for v in compiled() {
+            assert!(archs.contains(&v.spec.arch.name()), "{} compiled but its arch is not built", v.name());
+        }
+        let expected = VARIANTS.iter().filter(|v| archs.contains(&v.arch.name())).count();
+        assert_eq!(compiled().len(), expected);
+    }
+
+    #[test]
+    fn schedules_belong_to_their_arch() {
+        for v in VARIANTS {
+            let ok = match v.schedule {
+                Schedule::Cooperative | Schedule::Pingpong => v.arch == VariantArch::Sm90a,
+                Schedule::OneSm | Schedule::TwoSm => v.arch == VariantArch::Sm100a,
+            };
+            assert!(ok, "{} pairs a schedule with the wrong arch", v.name());
+        }
+    }
+}

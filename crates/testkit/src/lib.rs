@@ -1,0 +1,109 @@
+//! Helpers shared by moefuse's GPU tests, examples and benchmarks.
+//!
+//! 1. [`gpu`] opens device 0 or says why it cannot; [`GpuSuite`] runs named GPU tests under
+//!    cargo's test harness and reports them as *ignored*, each with a printed
+//!    `SKIPPED <test>: <reason>` line, when there is no GPU (never as passed).
+//! 2. [`Rng`] draws reproducible random inputs; every failure message carries the seed.
+//! 3. [`rel_err`] and [`unwritten`] compare results with a CPU reference.
+//! 4. [`time_stream`] times work on a stream with CUDA events: warm-up, samples, median, IQR.
+//!
+//! ```no_run
+//! use moefuse_testkit::GpuSuite;
+//! GpuSuite::new().test("device_opens", |ctx| {
+//!     assert!(ctx.name().is_ok());
+//!     Ok(())
+//! }).run();
+//! ```
+
+mod suite;
+mod timing;
+
+pub use suite::{gpu, GpuSuite};
+pub use timing::{time_stream, Stats};
+
+use half::bf16;
+
+/// Relative error bound for bf16 inputs with fp32 accumulation, against an f64 reference.
+pub const BF16_REL_ERR: f64 = 1e-2;
+
+/// The poison written into outputs before a kernel runs: a bf16 NaN, so an element the
+/// kernel never wrote can never pass a comparison.
+pub const POISON_BF16: bf16 = bf16::from_bits(0x7FC1);
+
+/// SplitMix64: small, fast, reproducible from its seed.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    /// A seed from the clock, so every run draws fresh inputs (print it on failure).
+    pub fn fresh_seed() -> u64 {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        t.as_nanos() as u64 ^ (std::process::id() as u64) << 32
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// Uniform integer in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+
+    /// `len` bf16 values uniform in [-1, 1).
+    pub fn bf16_vec(&mut self, len: usize) -> Vec<bf16> {
+        (0..len).map(|_| bf16::from_f32(self.uniform())).collect()
+    }
+}
+
+/// ‖got − want‖₂ / ‖want‖₂; NaN if any element of `got` is NaN (so poison never passes).
+///
+/// ```
+/// let e = moefuse_testkit::rel_err(&[1.0, 2.0], &[1.0, 2.0]);
+/// assert_eq!(e, 0.0);
+/// assert!(moefuse_testkit::rel_err(&[f32::NAN], &[1.0]).is_nan());
+/// ```
+pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "rel_err: length mismatch");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let d = g as f64 - w as f64;
+        num += d * d;
+        den += (w as f64) * (w as f64);
+    }
+    if den == 0.0 {
+        return num.sqrt();
+    }
+    (num / den).sqrt()
+}
+
+/// How many elements still hold the poison (NaN), and the first such index.
+///
+/// ```
+/// let v = [1.0, f32::NAN, f32::NAN];
+/// assert_eq!(moefuse_testkit::unwritten(&v), (2, Some(1)));
+/// ```
+pub fn unwritten(got: &[f32]) -> (usize, Option<usize>) {
+    let first = got.iter().position(|x| x.is_nan());
+    (got.iter().filter(|x| x.is_nan()).count(), first)
+}
+
+/// bf16 to f32, element-wise.
+pub fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}

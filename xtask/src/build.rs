@@ -1,0 +1,90 @@
+//! `cargo xtask build-kernels` and `cargo xtask inspect`.
+
+use crate::{root, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use moefuse_kernel_build::{compile_all, default_jobs, parse_archs, units, Arch, Cache, Event, Object, Toolchain};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Compiles the kernels for `sm` with a progress bar; unchanged units come from the cache.
+pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
+    let archs = parse_archs(sm).map_err(|e| e.to_string())?;
+    let tc = Toolchain::discover().map_err(|e| e.to_string())?;
+    let kernels = root().join("kernels");
+    let units = units(&kernels, &archs).map_err(|e| e.to_string())?;
+    let jobs = jobs.unwrap_or_else(default_jobs);
+    let cache = Cache::default_dir().map_err(|e| e.to_string())?;
+    println!("build-kernels: {} units for {sm} with {jobs} jobs ({})", units.len(), tc.nvcc_version);
+    let bar = ProgressBar::new(units.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] kernel {pos}/{len} {wide_msg}")
+            .expect("static template"),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let running = Mutex::new(Vec::<String>::new());
+    let objects = compile_all(&tc, &kernels, &units, jobs, &cache, |event| {
+        let mut running = running.lock().expect("progress lock");
+        match event {
+            Event::Started(unit) => running.push(unit.label()),
+            Event::Finished(obj) => {
+                running.retain(|l| *l != obj.unit.label());
+                let how = if obj.cached { "cached".to_string() } else { format!("{:.1} s", obj.seconds) };
+                let line = format!("  {:<70} {how}", obj.unit.label());
+                if bar.is_hidden() {
+                    println!("{line}");
+                } else {
+                    bar.println(line);
+                }
+                bar.inc(1);
+            }
+        }
+        bar.set_message(running.join(", "));
+    })
+    .map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    let compiled = objects.iter().filter(|o| !o.cached).count();
+    println!("build-kernels: {compiled} compiled, {} from cache", objects.len() - compiled);
+    Ok(objects)
+}
+
+/// Checks every kernel object: it carries an ELF for its arch, and its SASS has the
+/// tensor-core instruction of that arch (HGMMA on sm_90a, UTCHMMA/UTCQMMA on sm_100a).
+pub fn inspect(sm: &str) -> Result<()> {
+    let objects = build_kernels(sm, None)?;
+    let tc = Toolchain::discover().map_err(|e| e.to_string())?;
+    let mut failures = Vec::new();
+    for obj in objects.iter().filter(|o| o.unit.arch.is_some()) {
+        let arch = obj.unit.arch.expect("filtered");
+        let (elf, mma): (&str, &[&str]) = match arch {
+            Arch::Sm90a => ("sm_90a", &["HGMMA"]),
+            Arch::Sm100a => ("sm_100a", &["UTCHMMA", "UTCQMMA"]),
+        };
+        let list = cuobjdump(&tc, "--list-elf", obj)?;
+        let sass = cuobjdump(&tc, "--dump-sass", obj)?;
+        let count: usize = mma.iter().map(|m| sass.matches(m).count()).sum();
+        let ok = list.contains(elf) && count > 0;
+        println!("  {:<70} {elf}: {} {}: {count}", obj.unit.label(), list.contains(elf), mma.join("/"));
+        if !ok {
+            failures.push(obj.unit.label());
+        }
+    }
+    if failures.is_empty() {
+        println!("inspect: every kernel object has its arch's ELF and tensor-core SASS");
+        Ok(())
+    } else {
+        Err(format!("inspect failed for: {}", failures.join(", ")))
+    }
+}
+
+fn cuobjdump(tc: &Toolchain, flag: &str, obj: &Object) -> Result<String> {
+    let out = Command::new(tc.cuobjdump())
+        .arg(flag)
+        .arg(&obj.path)
+        .output()
+        .map_err(|e| format!("{}: {e}", tc.cuobjdump().display()))?;
+    if !out.status.success() {
+        return Err(format!("cuobjdump {flag} {}: {}", obj.path.display(), String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

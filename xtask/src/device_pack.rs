@@ -1,0 +1,86 @@
+//! `cargo xtask device-pack`: release builds of every test, example and benchmark binary,
+//! stripped, with a `run.sh`, in `.device-pack/` (ignored by git) for the device tool's
+//! `carry` (64 MiB limit). See docs/development.md for the loop.
+
+use crate::{build, cargo, root, setup, Result};
+use std::fs;
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+const RUN_SH: &str = include_str!("run.sh");
+const CARRY_LIMIT: u64 = 64 << 20;
+
+/// Builds and gathers the binaries; prints the pack's size against the carry limit.
+pub fn run() -> Result<()> {
+    setup::run(false)?;
+    build::build_kernels("90a,100a", None)?;
+    let pack = root().join(".device-pack");
+    let _ = fs::remove_dir_all(&pack);
+    fs::create_dir_all(pack.join("tests")).map_err(|e| e.to_string())?;
+    fs::create_dir_all(pack.join("bin")).map_err(|e| e.to_string())?;
+
+    let tests = artifacts(&["test", "--workspace", "--release", "--no-run"], true)?;
+    let bins = artifacts(&["build", "--release", "-p", "moefuse-benches", "--bins", "-p", "moefuse-grouped-gemm", "--examples"], false)?;
+    let mut size = 0;
+    for (dir, list) in [("tests", &tests), ("bin", &bins)] {
+        for (name, exe) in list {
+            let dest = pack.join(dir).join(name);
+            fs::copy(exe, &dest).map_err(|e| format!("{}: {e}", exe.display()))?;
+            let _ = Command::new("strip").arg(&dest).status();
+            size += fs::metadata(&dest).map_err(|e| e.to_string())?.len();
+        }
+    }
+    let run_sh = pack.join("run.sh");
+    fs::write(&run_sh, RUN_SH).map_err(|e| e.to_string())?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&run_sh, fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+    }
+    println!(
+        "device-pack: {} test binaries, {} programs, {:.1} MiB in {} (carry limit {} MiB)",
+        tests.len(),
+        bins.len(),
+        size as f64 / 1048576.0,
+        pack.display(),
+        CARRY_LIMIT >> 20
+    );
+    if size > CARRY_LIMIT {
+        return Err("device-pack is over the carry limit".into());
+    }
+    println!("run on the H200 with: device run, carry [\".device-pack\"], command \".device-pack/run.sh all\"");
+    Ok(())
+}
+
+/// Runs cargo with JSON messages and returns (name, executable) for each artifact; test
+/// binaries are named `<crate>-<target>` so unit and integration tests do not collide.
+fn artifacts(args: &[&str], tests: bool) -> Result<Vec<(String, PathBuf)>> {
+    let mut child = cargo()
+        .args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .env("MOEFUSE_CUDA_ARCHS", "90a,100a")
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    let stdout = child.stdout.take().expect("piped");
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
+        if msg["reason"] != "compiler-artifact" || msg["profile"]["test"].as_bool() != Some(tests) {
+            continue;
+        }
+        let Some(exe) = msg["executable"].as_str() else { continue };
+        let target = msg["target"]["name"].as_str().unwrap_or("x");
+        let krate = msg["package_id"].as_str().unwrap_or("").rsplit('#').next().unwrap_or("");
+        let krate = krate.split('@').next().unwrap_or(krate).rsplit('/').next().unwrap_or(krate);
+        let name = if tests { format!("{krate}-{target}") } else { target.to_string() };
+        out.push((name, PathBuf::from(exe)));
+    }
+    let status = child.wait().map_err(|e| e.to_string())?;
+    if !status.success() {
+        return Err(format!("cargo {} failed", args.join(" ")));
+    }
+    Ok(out)
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# moefuse device pack: runs on the GPU machine (written by `cargo xtask device-pack`).
+#   run.sh test        every test binary; one line each, then "N passed, N failed, N skipped"
+#   run.sh bench ARGS  every benchmark program (moefuse and baselines, JSON lines)
+#   run.sh all         test, then bench
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-/tmp/moefuse-out}
+mkdir -p "$out"
+# cuBLAS (for the baselines) and NVSHMEM come from the machine's python packages.
+py_libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os, sys
+dirs = set()
+for pat in ("nvidia/*/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*", "nvidia/nvshmem/lib/libnvshmem_host.so*"):
+    for p in sys.path:
+        for f in glob.glob(os.path.join(p, pat)):
+            dirs.add(os.path.dirname(f))
+print(":".join(sorted(dirs)))
+PY
+)
+export LD_LIBRARY_PATH="${py_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+run_tests() {
+  local passed=0 failed=0 skipped=0 bad=()
+  for t in "$here"/tests/*; do
+    local name log line p f i
+    name=$(basename "$t"); log="$out/test-$name.log"
+    "$t" --test-threads=1 >"$log" 2>&1; rc=$?
+    line=$(grep -E "^test result:" "$log" | tail -1)
+    p=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$line"); f=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$line")
+    i=$(sed -nE 's/.* ([0-9]+) ignored.*/\1/p' <<<"$line")
+    p=${p:-0}; f=${f:-0}; i=${i:-0}
+    if [ $rc -ne 0 ] && [ "$f" = 0 ]; then f=1; fi
+    passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + i))
+    [ "$f" != 0 ] && bad+=("$name")
+    printf '%-48s %s passed, %s failed, %s skipped (exit %s)\n' "$name" "$p" "$f" "$i" "$rc"
+    grep -h "^SKIPPED" "$log" | sed 's/^/    /'
+  done
+  echo "TOTAL: $passed passed, $failed failed, $skipped skipped"
+  for b in "${bad[@]}"; do echo "--- $b"; grep -E "panicked|FAILED|failed|Error" "$out/test-$b.log" | head -20; done
+  [ "$failed" = 0 ]
+}
+
+run_bench() {
+  local rc=0
+  for b in "$here"/bin/bench_*; do
+    [ -e "$b" ] || continue
+    echo "== $(basename "$b")"
+    "$b" --out "$out" "$@" || rc=1
+  done
+  return $rc
+}
+
+case "${1:-all}" in
+  test) run_tests ;;
+  bench) shift; run_bench "$@" ;;
+  all) shift; run_tests; t=$?; run_bench "$@"; b=$?; [ $t = 0 ] && [ $b = 0 ] ;;
+  *) "$here/bin/$1" "${@:2}" ;;
+esac
