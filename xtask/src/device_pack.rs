@@ -31,6 +31,9 @@ pub fn run() -> Result<()> {
             size += fs::metadata(&dest).map_err(|e| e.to_string())?.len();
         }
     }
+    let commit = Command::new("git").args(["describe", "--always", "--dirty", "--abbrev=10"]).current_dir(root()).output();
+    let commit = commit.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    fs::write(pack.join("COMMIT"), &commit).map_err(|e| e.to_string())?;
     let run_sh = pack.join("run.sh");
     fs::write(&run_sh, RUN_SH).map_err(|e| e.to_string())?;
     #[cfg(unix)]
@@ -54,7 +57,7 @@ pub fn run() -> Result<()> {
 }
 
 /// Runs cargo with JSON messages and returns (name, executable) for each artifact; test
-/// binaries are named `<crate>-<target>` so unit and integration tests do not collide.
+/// binaries are named `<target>-<kind>` so unit and integration tests do not collide.
 fn artifacts(args: &[&str], tests: bool) -> Result<Vec<(String, PathBuf)>> {
     let mut child = cargo()
         .args(args)
@@ -73,9 +76,8 @@ fn artifacts(args: &[&str], tests: bool) -> Result<Vec<(String, PathBuf)>> {
         }
         let Some(exe) = msg["executable"].as_str() else { continue };
         let target = msg["target"]["name"].as_str().unwrap_or("x");
-        let krate = msg["package_id"].as_str().unwrap_or("").rsplit('#').next().unwrap_or("");
-        let krate = krate.split('@').next().unwrap_or(krate).rsplit('/').next().unwrap_or(krate);
-        let name = if tests { format!("{krate}-{target}") } else { target.to_string() };
+        let kind = msg["target"]["kind"][0].as_str().unwrap_or("x");
+        let name = if tests { format!("{target}-{kind}") } else { target.to_string() };
         out.push((name, PathBuf::from(exe)));
     }
     let status = child.wait().map_err(|e| e.to_string())?;

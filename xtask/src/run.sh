@@ -3,10 +3,12 @@
 #   run.sh test        every test binary; one line each, then "N passed, N failed, N skipped"
 #   run.sh bench ARGS  every benchmark program (moefuse and baselines, JSON lines)
 #   run.sh all         test, then bench
+#   run.sh NAME ARGS   one program from bin/ (e.g. gemm_demo 8192 8192 8192)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/moefuse-out}
 mkdir -p "$out"
+logs=$(mktemp -d)
 # cuBLAS (for the baselines) and NVSHMEM come from the machine's python packages.
 py_libs=$(python3 - <<'PY' 2>/dev/null
 import glob, os, sys
@@ -18,14 +20,16 @@ for pat in ("nvidia/*/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*", "nvid
 print(":".join(sorted(dirs)))
 PY
 )
+export MOEFUSE_COMMIT=$(cat "$here/COMMIT" 2>/dev/null || echo unknown)
 export LD_LIBRARY_PATH="${py_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 run_tests() {
   local passed=0 failed=0 skipped=0 bad=()
   for t in "$here"/tests/*; do
     local name log line p f i
-    name=$(basename "$t"); log="$out/test-$name.log"
+    name=$(basename "$t"); log="$logs/$name.log"
     "$t" --test-threads=1 >"$log" 2>&1; rc=$?
+    { echo "===== $name (exit $rc)"; cat "$log"; } >>"$out/tests.log"
     line=$(grep -E "^test result:" "$log" | tail -1)
     p=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$line"); f=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$line")
     i=$(sed -nE 's/.* ([0-9]+) ignored.*/\1/p' <<<"$line")
@@ -37,7 +41,7 @@ run_tests() {
     grep -h "^SKIPPED" "$log" | sed 's/^/    /'
   done
   echo "TOTAL: $passed passed, $failed failed, $skipped skipped"
-  for b in "${bad[@]}"; do echo "--- $b"; grep -E "panicked|FAILED|failed|Error" "$out/test-$b.log" | head -20; done
+  for b in "${bad[@]}"; do echo "--- $b";  grep -E "panicked|FAILED|failed|Error" "$logs/$b.log" | head -20; done
   [ "$failed" = 0 ]
 }
 

@@ -1,0 +1,116 @@
+//! Shared plumbing of the benchmark programs: the JSON-lines record of DEVELOPERS.md,
+//! interleaved CUDA-event timing of several backends, and input-set rotation beyond L2.
+
+use cudarc::driver::{CudaContext, CudaStream};
+use moefuse_testkit::Stats;
+use serde::Serialize;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+
+/// One benchmark result, one JSON line in `benches/results/<suite>.jsonl`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    /// Suite, e.g. `gemm`.
+    pub suite: String,
+    /// Case, e.g. `dense-8192-bnk`.
+    pub case: String,
+    /// `moefuse` or the baseline's name.
+    pub backend: String,
+    /// GPU name.
+    pub gpu: String,
+    /// Median time.
+    pub median_us: f64,
+    /// Interquartile range.
+    pub iqr_us: f64,
+    /// Useful TFLOP/s at the median.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tflops: Option<f64>,
+    /// Achieved GB/s at the median (memory-bound suites).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gbps: Option<f64>,
+    /// Relative error against the CPU reference, checked before timing.
+    pub rel_err: f64,
+    /// UTC date of the run.
+    pub date: String,
+    /// Commit the binaries were built from (`MOEFUSE_COMMIT`).
+    pub commit: String,
+}
+
+/// Appends records to `<dir>/<suite>.jsonl`.
+pub fn append(dir: &Path, suite: &str, records: &[Record]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("{suite}.jsonl")))?;
+    for r in records {
+        writeln!(f, "{}", serde_json::to_string(r).expect("records serialise"))?;
+    }
+    Ok(())
+}
+
+/// Today's UTC date, `YYYY-MM-DD` (civil-from-days, no time-zone crate needed).
+pub fn today() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let z = (secs / 86400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// The commit the binaries came from (`MOEFUSE_COMMIT`, set by the device pack's run.sh).
+pub fn commit() -> String {
+    std::env::var("MOEFUSE_COMMIT").unwrap_or_else(|_| "unknown".into())
+}
+
+/// How many input sets to rotate so that one pass touches at least 3× the L2 cache.
+pub fn rotation(ctx: &Arc<CudaContext>, bytes_per_set: usize) -> usize {
+    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE;
+    let l2 = ctx.attribute(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(64 << 20) as usize;
+    (3 * l2).div_ceil(bytes_per_set.max(1)).clamp(1, 64)
+}
+
+/// Boxed error for benchmark programs.
+pub type Error = Box<dyn std::error::Error>;
+
+/// A backend under test: runs its `i`-th call on the stream.
+pub type Backend<'a> = Box<dyn FnMut(usize) -> Result<(), Error> + 'a>;
+
+/// Times `backends` interleaved (one sample of each in turn, so clocks and neighbours
+/// affect all alike): `warmup` calls each, then `samples` event-timed calls each.
+pub fn time_interleaved(stream: &Arc<CudaStream>, backends: &mut [Backend<'_>], warmup: usize, samples: usize) -> Result<Vec<Stats>, Error> {
+    let ctx = stream.context();
+    for b in backends.iter_mut() {
+        for i in 0..warmup {
+            b(i)?;
+        }
+    }
+    stream.synchronize()?;
+    let mut us = vec![Vec::with_capacity(samples); backends.len()];
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    for s in 0..samples {
+        for (b, times) in backends.iter_mut().zip(us.iter_mut()) {
+            let (start, end) = (ctx.new_event(timing)?, ctx.new_event(timing)?);
+            start.record(stream)?;
+            b(warmup + s)?;
+            end.record(stream)?;
+            end.synchronize()?;
+            times.push(start.elapsed_ms(&end)? as f64 * 1e3);
+        }
+    }
+    Ok(us.into_iter().map(Stats::from_samples).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn today_is_a_plausible_date() {
+        let d = super::today();
+        assert_eq!(d.len(), 10);
+        assert!(d.as_str() >= "2026-01-01", "{d}");
+    }
+}
