@@ -1,6 +1,8 @@
 //! Shared plumbing of the benchmark programs: the JSON-lines record of DEVELOPERS.md,
 //! interleaved CUDA-event timing of several backends, and input-set rotation beyond L2.
 
+pub mod cases;
+
 use cudarc::driver::{CudaContext, CudaStream};
 use moefuse_testkit::Stats;
 use serde::Serialize;
@@ -40,16 +42,25 @@ pub struct Record {
 /// Appends records to `<dir>/<suite>.jsonl`.
 pub fn append(dir: &Path, suite: &str, records: &[Record]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("{suite}.jsonl")))?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{suite}.jsonl")))?;
     for r in records {
-        writeln!(f, "{}", serde_json::to_string(r).expect("records serialise"))?;
+        writeln!(
+            f,
+            "{}",
+            serde_json::to_string(r).expect("records serialise")
+        )?;
     }
     Ok(())
 }
 
 /// Today's UTC date, `YYYY-MM-DD` (civil-from-days, no time-zone crate needed).
 pub fn today() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let z = (secs / 86400) as i64 + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -70,7 +81,9 @@ pub fn commit() -> String {
 /// How many input sets to rotate so that one pass touches at least 3× the L2 cache.
 pub fn rotation(ctx: &Arc<CudaContext>, bytes_per_set: usize) -> usize {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE;
-    let l2 = ctx.attribute(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(64 << 20) as usize;
+    let l2 = ctx
+        .attribute(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        .unwrap_or(64 << 20) as usize;
     (3 * l2).div_ceil(bytes_per_set.max(1)).clamp(1, 64)
 }
 
@@ -82,7 +95,12 @@ pub type Backend<'a> = Box<dyn FnMut(usize) -> Result<(), Error> + 'a>;
 
 /// Times `backends` interleaved (one sample of each in turn, so clocks and neighbours
 /// affect all alike): `warmup` calls each, then `samples` event-timed calls each.
-pub fn time_interleaved(stream: &Arc<CudaStream>, backends: &mut [Backend<'_>], warmup: usize, samples: usize) -> Result<Vec<Stats>, Error> {
+pub fn time_interleaved(
+    stream: &Arc<CudaStream>,
+    backends: &mut [Backend<'_>],
+    warmup: usize,
+    samples: usize,
+) -> Result<Vec<Stats>, Error> {
     let ctx = stream.context();
     for b in backends.iter_mut() {
         for i in 0..warmup {

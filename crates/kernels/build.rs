@@ -7,7 +7,9 @@
 #[allow(dead_code, missing_docs)]
 mod variant_table;
 
-use moefuse_kernel_build::{archive, compile_all, default_jobs, parse_archs, units, Cache, Toolchain};
+use moefuse_kernel_build::{
+    archive, compile_all, default_jobs, parse_archs, units, Cache, Toolchain,
+};
 use std::path::{Path, PathBuf};
 use std::{env, fmt::Write as _, fs};
 use variant_table::VARIANTS;
@@ -22,10 +24,18 @@ fn main() {
 fn run() -> Result<(), String> {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
     let out = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
-    let kernels = manifest.join("../../kernels").canonicalize().map_err(|e| format!("kernels/: {e}"))?;
-    for var in ["MOEFUSE_CUDA_ARCHS", "MOEFUSE_KERNEL_CACHE", "MOEFUSE_ALLOW_SPILLS", "MOEFUSE_JOBS"]
-        .iter()
-        .chain(moefuse_kernel_build::TOOLCHAIN_ENV)
+    let kernels = manifest
+        .join("../../kernels")
+        .canonicalize()
+        .map_err(|e| format!("kernels/: {e}"))?;
+    for var in [
+        "MOEFUSE_CUDA_ARCHS",
+        "MOEFUSE_KERNEL_CACHE",
+        "MOEFUSE_ALLOW_SPILLS",
+        "MOEFUSE_JOBS",
+    ]
+    .iter()
+    .chain(moefuse_kernel_build::TOOLCHAIN_ENV)
     {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -51,15 +61,28 @@ fn run() -> Result<(), String> {
     println!("cargo:rustc-cfg=moefuse_kernels_linked");
 
     let tc = Toolchain::discover().map_err(|e| e.to_string())?;
-    let jobs = env::var("MOEFUSE_JOBS").ok().and_then(|j| j.parse().ok()).unwrap_or_else(default_jobs);
+    let jobs = env::var("MOEFUSE_JOBS")
+        .ok()
+        .and_then(|j| j.parse().ok())
+        .unwrap_or_else(default_jobs);
     let cache = Cache::default_dir().map_err(|e| e.to_string())?;
-    let objects = compile_all(&tc, &kernels, &units(&kernels, &archs).map_err(|e| e.to_string())?, jobs, &cache, |_| {})
-        .map_err(|e| e.to_string())?;
+    let objects = compile_all(
+        &tc,
+        &kernels,
+        &units(&kernels, &archs).map_err(|e| e.to_string())?,
+        jobs,
+        &cache,
+        |_| {},
+    )
+    .map_err(|e| e.to_string())?;
     archive(&objects, &out.join("libmoefuse_kernels.a")).map_err(|e| e.to_string())?;
 
     println!("cargo:rustc-link-search=native={}", out.display());
     println!("cargo:rustc-link-lib=static=moefuse_kernels");
-    println!("cargo:rustc-link-search=native={}", tc.cuda_lib_dir().display());
+    println!(
+        "cargo:rustc-link-search=native={}",
+        tc.cuda_lib_dir().display()
+    );
     println!("cargo:rustc-link-lib=static=cudart_static");
     for lib in ["stdc++", "dl", "rt", "pthread"] {
         println!("cargo:rustc-link-lib=dylib={lib}");
@@ -83,7 +106,10 @@ fn watch(dir: &Path) -> Result<(), String> {
 
 /// The committed instance file must be exactly what the table generates.
 fn check_instance(kernels: &Path, v: &variant_table::VariantSpec) -> Result<(), String> {
-    let path = kernels.join("instances").join(v.arch.name()).join(format!("{}.cu", v.name()));
+    let path = kernels
+        .join("instances")
+        .join(v.arch.name())
+        .join(format!("{}.cu", v.name()));
     match fs::read_to_string(&path) {
         Ok(text) if text == v.instance_source() => Ok(()),
         _ => Err(format!(
@@ -99,16 +125,28 @@ fn registry(built: &[&variant_table::VariantSpec]) -> String {
         s.push_str("extern \"C\" {\n");
         for v in built {
             let n = v.name();
-            let _ = writeln!(s, "    fn moefuse_{n}(args: *const MoefuseGemmArgs, workspace: *mut c_void, workspace_bytes: usize, stream: *mut c_void) -> MoefuseStatus;");
-            let _ = writeln!(s, "    fn moefuse_{n}_workspace(args: *const MoefuseGemmArgs) -> usize;");
+            let args = if v.op.is_grouped() {
+                "MoefuseGroupedGemmArgs"
+            } else {
+                "MoefuseGemmArgs"
+            };
+            let _ = writeln!(s, "    fn moefuse_{n}(args: *const {args}, workspace: *mut c_void, workspace_bytes: usize, stream: *mut c_void) -> MoefuseStatus;");
+            let _ = writeln!(
+                s,
+                "    fn moefuse_{n}_workspace(args: *const {args}) -> usize;"
+            );
         }
         s.push_str("}\n");
     }
     s.push_str("pub(crate) static COMPILED: &[CompiledVariant] = &[\n");
     for v in built {
-        let index = VARIANTS.iter().position(|x| x == *v).expect("variant from the table");
+        let index = VARIANTS
+            .iter()
+            .position(|x| x == *v)
+            .expect("variant from the table");
         let n = v.name();
-        let _ = writeln!(s, "    CompiledVariant {{ spec: &VARIANTS[{index}], run: moefuse_{n}, workspace: moefuse_{n}_workspace }},");
+        let entry = if v.op.is_grouped() { "Grouped" } else { "Gemm" };
+        let _ = writeln!(s, "    CompiledVariant {{ spec: &VARIANTS[{index}], entry: Entry::{entry} {{ run: moefuse_{n}, workspace: moefuse_{n}_workspace }} }},");
     }
     s.push_str("];\n");
     s

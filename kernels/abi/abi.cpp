@@ -25,3 +25,6 @@ static_assert(sizeof(moefuse_gemm_args) == 88, "moefuse_gemm_args layout changed
 static_assert(offsetof(moefuse_gemm_args, a) == 16, "moefuse_gemm_args layout changed");
 static_assert(offsetof(moefuse_gemm_args, lda) == 48, "moefuse_gemm_args layout changed");
 static_assert(offsetof(moefuse_gemm_args, alpha) == 80, "moefuse_gemm_args layout changed");
+static_assert(sizeof(moefuse_grouped_gemm_args) == 64, "moefuse_grouped_gemm_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
+static_assert(offsetof(moefuse_grouped_gemm_args, offsets) == 24, "moefuse_grouped_gemm_args layout changed");
+static_assert(offsetof(moefuse_grouped_gemm_args, alpha) == 56, "moefuse_grouped_gemm_args layout changed");

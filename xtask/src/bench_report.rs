@@ -25,23 +25,34 @@ struct Row {
 /// Rewrites the marked tables of docs/benchmarks.md from the committed JSON lines.
 pub fn run() -> Result<()> {
     let doc_path = root().join("docs/benchmarks.md");
-    let mut doc = fs::read_to_string(&doc_path).map_err(|e| format!("{}: {e}", doc_path.display()))?;
+    let mut doc =
+        fs::read_to_string(&doc_path).map_err(|e| format!("{}: {e}", doc_path.display()))?;
     let dir = root().join("benches/results");
-    let mut entries: Vec<_> = fs::read_dir(&dir).map_err(|e| e.to_string())?.filter_map(|e| e.ok()).collect();
+    let mut entries: Vec<_> = fs::read_dir(&dir)
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok())
+        .collect();
     entries.sort_by_key(|e| e.path());
     for entry in entries {
         let path = entry.path();
         if path.extension().is_none_or(|e| e != "jsonl") {
             continue;
         }
-        let suite = path.file_stem().unwrap_or_default().to_string_lossy().to_string();
+        let suite = path
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
         let text = fs::read_to_string(&path).map_err(|e| e.to_string())?;
         let rows: Vec<Row> = text
             .lines()
             .filter(|l| !l.trim().is_empty())
             .map(|l| serde_json::from_str(l).map_err(|e| format!("{}: {e}: {l}", path.display())))
             .collect::<Result<_>>()?;
-        let (open, close) = (format!("<!-- bench:{suite} -->"), format!("<!-- /bench:{suite} -->"));
+        let (open, close) = (
+            format!("<!-- bench:{suite} -->"),
+            format!("<!-- /bench:{suite} -->"),
+        );
         let (Some(a), Some(b)) = (doc.find(&open), doc.find(&close)) else {
             println!("bench-report: no markers for suite {suite} in docs/benchmarks.md; skipped");
             continue;

@@ -2,7 +2,9 @@
 
 use crate::{root, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use moefuse_kernel_build::{compile_all, default_jobs, parse_archs, units, Arch, Cache, Event, Object, Toolchain};
+use moefuse_kernel_build::{
+    compile_all, default_jobs, parse_archs, units, Arch, Cache, Event, Object, Toolchain,
+};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -15,7 +17,11 @@ pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
     let units = units(&kernels, &archs).map_err(|e| e.to_string())?;
     let jobs = jobs.unwrap_or_else(default_jobs);
     let cache = Cache::default_dir().map_err(|e| e.to_string())?;
-    println!("build-kernels: {} units for {sm} with {jobs} jobs ({})", units.len(), tc.nvcc_version);
+    println!(
+        "build-kernels: {} units for {sm} with {jobs} jobs ({})",
+        units.len(),
+        tc.nvcc_version
+    );
     let bar = ProgressBar::new(units.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] kernel {pos}/{len} {wide_msg}")
@@ -29,7 +35,11 @@ pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
             Event::Started(unit) => running.push(unit.label()),
             Event::Finished(obj) => {
                 running.retain(|l| *l != obj.unit.label());
-                let how = if obj.cached { "cached".to_string() } else { format!("{:.1} s", obj.seconds) };
+                let how = if obj.cached {
+                    "cached".to_string()
+                } else {
+                    format!("{:.1} s", obj.seconds)
+                };
                 let line = format!("  {:<70} {how}", obj.unit.label());
                 if bar.is_hidden() {
                     println!("{line}");
@@ -44,7 +54,10 @@ pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
     .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     let compiled = objects.iter().filter(|o| !o.cached).count();
-    println!("build-kernels: {compiled} compiled, {} from cache", objects.len() - compiled);
+    println!(
+        "build-kernels: {compiled} compiled, {} from cache",
+        objects.len() - compiled
+    );
     Ok(objects)
 }
 
@@ -64,7 +77,12 @@ pub fn inspect(sm: &str) -> Result<()> {
         let sass = cuobjdump(&tc, "--dump-sass", obj)?;
         let count: usize = mma.iter().map(|m| sass.matches(m).count()).sum();
         let ok = list.contains(elf) && count > 0;
-        println!("  {:<70} {elf}: {} {}: {count}", obj.unit.label(), list.contains(elf), mma.join("/"));
+        println!(
+            "  {:<70} {elf}: {} {}: {count}",
+            obj.unit.label(),
+            list.contains(elf),
+            mma.join("/")
+        );
         if !ok {
             failures.push(obj.unit.label());
         }
@@ -84,7 +102,11 @@ fn cuobjdump(tc: &Toolchain, flag: &str, obj: &Object) -> Result<String> {
         .output()
         .map_err(|e| format!("{}: {e}", tc.cuobjdump().display()))?;
     if !out.status.success() {
-        return Err(format!("cuobjdump {flag} {}: {}", obj.path.display(), String::from_utf8_lossy(&out.stderr)));
+        return Err(format!(
+            "cuobjdump {flag} {}: {}",
+            obj.path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -19,9 +19,29 @@ pub fn run() -> Result<()> {
     let _ = fs::remove_dir_all(&pack);
     fs::create_dir_all(pack.join("tests")).map_err(|e| e.to_string())?;
     fs::create_dir_all(pack.join("bin")).map_err(|e| e.to_string())?;
+    fs::create_dir_all(pack.join("py")).map_err(|e| e.to_string())?;
+    for entry in fs::read_dir(root().join("benches")).map_err(|e| e.to_string())? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        if path.extension().is_some_and(|e| e == "py") {
+            fs::copy(&path, pack.join("py").join(path.file_name().expect("file")))
+                .map_err(|e| e.to_string())?;
+        }
+    }
 
     let tests = artifacts(&["test", "--workspace", "--release", "--no-run"], true)?;
-    let bins = artifacts(&["build", "--release", "-p", "moefuse-benches", "--bins", "-p", "moefuse-grouped-gemm", "--examples"], false)?;
+    let bins = artifacts(
+        &[
+            "build",
+            "--release",
+            "-p",
+            "moefuse-benches",
+            "--bins",
+            "-p",
+            "moefuse-grouped-gemm",
+            "--examples",
+        ],
+        false,
+    )?;
     let mut size = 0;
     for (dir, list) in [("tests", &tests), ("bin", &bins)] {
         for (name, exe) in list {
@@ -31,15 +51,22 @@ pub fn run() -> Result<()> {
             size += fs::metadata(&dest).map_err(|e| e.to_string())?.len();
         }
     }
-    let commit = Command::new("git").args(["describe", "--always", "--dirty", "--abbrev=10"]).current_dir(root()).output();
-    let commit = commit.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    let commit = Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=10"])
+        .current_dir(root())
+        .output();
+    let commit = commit
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
     fs::write(pack.join("COMMIT"), &commit).map_err(|e| e.to_string())?;
     let run_sh = pack.join("run.sh");
     fs::write(&run_sh, RUN_SH).map_err(|e| e.to_string())?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&run_sh, fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+        fs::set_permissions(&run_sh, fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
     }
     println!(
         "device-pack: {} test binaries, {} programs, {:.1} MiB in {} (carry limit {} MiB)",
@@ -70,14 +97,22 @@ fn artifacts(args: &[&str], tests: bool) -> Result<Vec<(String, PathBuf)>> {
     let stdout = child.stdout.take().expect("piped");
     for line in std::io::BufReader::new(stdout).lines() {
         let line = line.map_err(|e| e.to_string())?;
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
         if msg["reason"] != "compiler-artifact" || msg["profile"]["test"].as_bool() != Some(tests) {
             continue;
         }
-        let Some(exe) = msg["executable"].as_str() else { continue };
+        let Some(exe) = msg["executable"].as_str() else {
+            continue;
+        };
         let target = msg["target"]["name"].as_str().unwrap_or("x");
         let kind = msg["target"]["kind"][0].as_str().unwrap_or("x");
-        let name = if tests { format!("{target}-{kind}") } else { target.to_string() };
+        let name = if tests {
+            format!("{target}-{kind}")
+        } else {
+            target.to_string()
+        };
         out.push((name, PathBuf::from(exe)));
     }
     let status = child.wait().map_err(|e| e.to_string())?;

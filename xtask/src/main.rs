@@ -101,12 +101,17 @@ pub type Result<T> = std::result::Result<T, String>;
 
 /// The workspace root (xtask lives one level below it).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask sits in the workspace").to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask sits in the workspace")
+        .to_path_buf()
 }
 
 /// Runs `cmd`, failing with its name when it does not exit 0.
 pub fn run_cmd(cmd: &mut Command) -> Result<()> {
-    let status = cmd.status().map_err(|e| format!("could not start {cmd:?}: {e}"))?;
+    let status = cmd
+        .status()
+        .map_err(|e| format!("could not start {cmd:?}: {e}"))?;
     if status.success() {
         Ok(())
     } else {
@@ -125,7 +130,12 @@ fn test(args: &[String]) -> Result<()> {
     variants::run(true)?;
     build::build_kernels("90a,100a", None)?;
     build::inspect("90a,100a")?;
-    run_cmd(cargo().args(["test", "--workspace"]).args(args).env("MOEFUSE_CUDA_ARCHS", "90a,100a"))
+    run_cmd(
+        cargo()
+            .args(["test", "--workspace"])
+            .args(args)
+            .env("MOEFUSE_CUDA_ARCHS", "90a,100a"),
+    )
 }
 
 fn demo(args: &[String]) -> Result<()> {
@@ -133,7 +143,16 @@ fn demo(args: &[String]) -> Result<()> {
     build::build_kernels("90a,100a", None)?;
     run_cmd(
         cargo()
-            .args(["run", "--release", "--quiet", "-p", "moefuse-grouped-gemm", "--example", "gemm_demo", "--"])
+            .args([
+                "run",
+                "--release",
+                "--quiet",
+                "-p",
+                "moefuse-grouped-gemm",
+                "--example",
+                "gemm_demo",
+                "--",
+            ])
             .args(args)
             .env("MOEFUSE_CUDA_ARCHS", "90a,100a"),
     )

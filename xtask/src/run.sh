@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # moefuse device pack: runs on the GPU machine (written by `cargo xtask device-pack`).
 #   run.sh test        every test binary; one line each, then "N passed, N failed, N skipped"
-#   run.sh bench ARGS  every benchmark program (moefuse and baselines, JSON lines)
+#   run.sh bench       every benchmark program, then the PyTorch baselines (JSON lines in $OUT)
+#   run.sh torch [--filter S]  only the PyTorch grouped-GEMM baseline
 #   run.sh all         test, then bench
 #   run.sh NAME ARGS   one program from bin/ (e.g. gemm_demo 8192 8192 8192)
 set -u
@@ -50,14 +51,22 @@ run_bench() {
   for b in "$here"/bin/bench_*; do
     [ -e "$b" ] || continue
     echo "== $(basename "$b")"
-    "$b" --out "$out" "$@" || rc=1
+    "$b" --out "$out" || rc=1
   done
+  run_torch || rc=1
   return $rc
+}
+
+run_torch() {
+  echo "== torch_grouped_mm"
+  "$here/bin/bench_grouped" --list-cases "$@" >"$logs/cases.json" &&
+    PYTHONUNBUFFERED=1 python3 "$here/py/torch_grouped_mm.py" --cases "$logs/cases.json" --out "$out"
 }
 
 case "${1:-all}" in
   test) run_tests ;;
-  bench) shift; run_bench "$@" ;;
-  all) shift; run_tests; t=$?; run_bench "$@"; b=$?; [ $t = 0 ] && [ $b = 0 ] ;;
+  bench) run_bench ;;
+  torch) shift; run_torch "$@" ;;
+  all) run_tests; t=$?; run_bench; b=$?; [ $t = 0 ] && [ $b = 0 ] ;;
   *) "$here/bin/$1" "${@:2}" ;;
 esac

@@ -26,17 +26,37 @@ pub fn run(force: bool) -> Result<()> {
     println!("installing the pinned toolchain into {} ...", dir.display());
     let pip = || {
         let mut c = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()));
-        c.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--root-user-action=ignore", "--no-cache-dir", "--target"]);
+        c.args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--root-user-action=ignore",
+            "--no-cache-dir",
+            "--target",
+        ]);
         c
     };
     run_cmd(pip().arg(staging.join("cuda")).args(PINS.cuda))?;
-    run_cmd(pip().arg(staging.join("ext")).arg("--no-deps").args(PINS.ext))?;
+    run_cmd(
+        pip()
+            .arg(staging.join("ext"))
+            .arg("--no-deps")
+            .args(PINS.ext),
+    )?;
     // nvcc.profile looks for libraries in lib64, which the wheel does not ship.
     #[cfg(unix)]
-    std::os::unix::fs::symlink("lib", staging.join("cuda/nvidia/cu13/lib64")).map_err(|e| e.to_string())?;
+    std::os::unix::fs::symlink("lib", staging.join("cuda/nvidia/cu13/lib64"))
+        .map_err(|e| e.to_string())?;
     fs::write(staging.join("moefuse-pins.stamp"), PINS.stamp()).map_err(|e| e.to_string())?;
     let _ = fs::remove_dir_all(&dir);
-    fs::rename(&staging, &dir).map_err(|e| format!("{} -> {}: {e}", staging.display(), dir.display()))?;
-    println!("toolchain installed in {:.0} s: {}", start.elapsed().as_secs_f64(), PINS.stamp());
+    fs::rename(&staging, &dir)
+        .map_err(|e| format!("{} -> {}: {e}", staging.display(), dir.display()))?;
+    println!(
+        "toolchain installed in {:.0} s: {}",
+        start.elapsed().as_secs_f64(),
+        PINS.stamp()
+    );
     Ok(())
 }

@@ -31,7 +31,11 @@ pub fn run(check: bool) -> Result<()> {
         }
         for entry in fs::read_dir(&dir).map_err(|e| e.to_string())? {
             let path = entry.map_err(|e| e.to_string())?.path();
-            let stem = path.file_stem().unwrap_or_default().to_string_lossy().to_string();
+            let stem = path
+                .file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .to_string();
             if wanted.iter().any(|v| v.name() == stem) {
                 continue;
             }

@@ -9,14 +9,19 @@
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm as _, GemmConfig};
 use half::bf16;
 use moefuse_grouped_gemm::{reference, Gemm, GemmDesc};
-use moefuse_testkit::{rel_err, time_stream, to_f32, Rng, BF16_REL_ERR, POISON_BF16};
+use moefuse_testkit::{rel_err, time_stream, to_f32, within, Rng, BF16_REL_ERR, POISON_BF16};
 use std::time::Instant;
 
 type Error = Box<dyn std::error::Error>;
 
 fn main() -> Result<(), Error> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
-    let dims: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
+    let dims: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let (m, n, k) = match dims[..] {
         [m, n, k] => (m, n, k),
         _ => (8192, 8192, 8192),
@@ -48,11 +53,21 @@ fn cpu_demo() -> Result<(), Error> {
     Ok(())
 }
 
-fn gpu_demo(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, desc: GemmDesc) -> Result<(), Error> {
+fn gpu_demo(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    desc: GemmDesc,
+) -> Result<(), Error> {
     let stream = ctx.default_stream();
     let gemm = Gemm::new(ctx)?;
     let plan = gemm.plan(&desc)?;
-    println!("{} on {}: {}x{}x{} bf16 -> variant {}", "moefuse gemm", ctx.name()?, desc.m, desc.n, desc.k, plan.variant());
+    println!(
+        "moefuse gemm on {}: {}x{}x{} bf16 -> variant {}",
+        ctx.name()?,
+        desc.m,
+        desc.n,
+        desc.k,
+        plan.variant()
+    );
 
     let seed = Rng::fresh_seed();
     let mut rng = Rng::new(seed);
@@ -64,12 +79,22 @@ fn gpu_demo(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, desc: GemmDesc) -
     let got = to_f32(&stream.clone_dtoh(&d)?);
 
     // Check 256 sampled rows (all when fewer) against the f64 reference.
-    let rows: Vec<usize> = if desc.m <= 256 { (0..desc.m).collect() } else { (0..256).map(|_| rng.below(desc.m)).collect() };
-    let got_rows: Vec<f32> = rows.iter().flat_map(|&r| got[r * desc.n..(r + 1) * desc.n].iter().copied()).collect();
+    let rows: Vec<usize> = if desc.m <= 256 {
+        (0..desc.m).collect()
+    } else {
+        (0..256).map(|_| rng.below(desc.m)).collect()
+    };
+    let got_rows: Vec<f32> = rows
+        .iter()
+        .flat_map(|&r| got[r * desc.n..(r + 1) * desc.n].iter().copied())
+        .collect();
     let want_rows = reference::gemm(&desc, &a_h, &b_h, None, &rows);
     let err = rel_err(&got_rows, &want_rows);
-    println!("rel err vs f64 CPU reference on {} rows: {err:.2e} (bound {BF16_REL_ERR:e}, seed {seed})", rows.len());
-    if !(err < BF16_REL_ERR) {
+    println!(
+        "rel err vs f64 CPU reference on {} rows: {err:.2e} (bound {BF16_REL_ERR:e}, seed {seed})",
+        rows.len()
+    );
+    if !within(err, BF16_REL_ERR) {
         return Err(format!("moefuse gemm is wrong: rel err {err:.3e}").into());
     }
 
@@ -107,6 +132,9 @@ fn gpu_demo(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, desc: GemmDesc) -
             desc.flops() / s.median_us / 1e6
         );
     }
-    println!("moefuse vs cuBLAS output: rel diff {blas_err:.2e}; speed ratio {:.3}", theirs.median_us / ours.median_us);
+    println!(
+        "moefuse vs cuBLAS output: rel diff {blas_err:.2e}; speed ratio {:.3}",
+        theirs.median_us / ours.median_us
+    );
     Ok(())
 }

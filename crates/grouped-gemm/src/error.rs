@@ -13,6 +13,8 @@ pub enum Operand {
     D,
     /// The device workspace.
     Workspace,
+    /// The grouped problems' prefix-sum offsets.
+    Offsets,
 }
 
 /// Everything a GEMM call can fail with; all host-knowable cases fail before any launch.
@@ -61,6 +63,18 @@ pub enum GemmError {
         needed: usize,
         /// Elements present.
         got: usize,
+    },
+    /// Group offsets that are not non-decreasing within `0..=rows` (see `check_offsets`).
+    #[error("offsets[{group}] = {end} is invalid: previous end {previous}, rows {rows} (ends must be non-decreasing and <= rows)")]
+    InvalidOffsets {
+        /// The first bad group.
+        group: usize,
+        /// Its end.
+        end: i64,
+        /// The previous group's end.
+        previous: i64,
+        /// Capacity of the row-indexed buffers.
+        rows: usize,
     },
     /// The device's architecture has no kernels in moefuse at all.
     #[error("unsupported GPU: compute capability {major}.{minor}; moefuse has kernels for 9.0 (sm_90a) and 10.0 (sm_100a)")]

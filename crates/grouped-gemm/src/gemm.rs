@@ -1,10 +1,10 @@
 //! Dense bf16 GEMM: `D = alpha · A · B + beta · D`, the seed of the grouped kernels.
 
-use crate::heuristics::{self, ArchSpec, Device};
+use crate::heuristics::{self, ArchSpec, Device, Problem};
 use crate::{GemmError, Operand};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse_kernels::{ffi, CompiledVariant};
+use moefuse_kernels::{ffi, CompiledVariant, Op};
 use std::sync::Arc;
 
 /// How B is stored.
@@ -45,7 +45,14 @@ impl GemmDesc {
     /// assert_eq!(d.flops(), 2.0 * 4096f64.powi(3));
     /// ```
     pub fn new(m: usize, n: usize, k: usize) -> Self {
-        GemmDesc { m, n, k, b_layout: BLayout::Nk, alpha: 1.0, beta: 0.0 }
+        GemmDesc {
+            m,
+            n,
+            k,
+            b_layout: BLayout::Nk,
+            alpha: 1.0,
+            beta: 0.0,
+        }
     }
 
     /// Useful floating-point operations, `2·m·n·k`.
@@ -61,15 +68,29 @@ impl GemmDesc {
             return Err(shape("n and k must be positive (m may be 0)"));
         }
         let max = i32::MAX as usize;
-        if m > max || n > max || k > max || m.checked_mul(k).is_none() || m.checked_mul(n).is_none() {
+        if m > max || n > max || k > max || m.checked_mul(k).is_none() || m.checked_mul(n).is_none()
+        {
             return Err(shape("dimensions must fit 32-bit indexing"));
         }
-        let misaligned = |operand, dim, value| GemmError::Misaligned { operand, dim, value, required: 8 };
+        let misaligned = |operand, dim, value| GemmError::Misaligned {
+            operand,
+            dim,
+            value,
+            required: 8,
+        };
         if k % 8 != 0 {
             return Err(misaligned(Operand::A, "k", k));
         }
         if n % 8 != 0 {
-            return Err(misaligned(if self.b_layout == BLayout::Kn { Operand::B } else { Operand::D }, "n", n));
+            return Err(misaligned(
+                if self.b_layout == BLayout::Kn {
+                    Operand::B
+                } else {
+                    Operand::D
+                },
+                "n",
+                n,
+            ));
         }
         Ok(())
     }
@@ -128,19 +149,12 @@ impl Gemm {
     /// Binds to `ctx`'s device; fails with [`GemmError::UnsupportedArch`] or
     /// [`GemmError::ArchNotBuilt`] when no compiled kernel can run there.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, GemmError> {
-        moefuse_kernels::check_abi()?;
-        let (major, minor) = ctx.compute_capability()?;
-        let spec: Box<dyn ArchSpec + Send + Sync> = match (major, minor) {
-            (9, 0) => Box::new(heuristics::Sm90),
-            (10, 0) => Box::new(heuristics::Sm100),
-            _ => return Err(GemmError::UnsupportedArch { major, minor }),
-        };
-        let arch = spec.arch().name();
-        if !moefuse_kernels::built_archs().contains(&arch) {
-            return Err(GemmError::ArchNotBuilt { arch, built: moefuse_kernels::built_archs().join(",") });
-        }
-        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        Ok(Gemm { ctx: ctx.clone(), spec, device: Device { sms: sms as usize } })
+        let (spec, device) = heuristics::for_device(ctx)?;
+        Ok(Gemm {
+            ctx: ctx.clone(),
+            spec,
+            device,
+        })
     }
 
     /// Validates `desc` and picks a variant (host only, no allocation, no launch).
@@ -151,11 +165,27 @@ impl Gemm {
     /// Like [`Gemm::plan`] with the variant named explicitly (for tuning).
     pub fn plan_with(&self, desc: &GemmDesc, variant: Option<&str>) -> Result<GemmPlan, GemmError> {
         desc.validate()?;
-        let variant = heuristics::choose(self.spec.as_ref(), desc, self.device, variant)?;
+        let op = match desc.b_layout {
+            BLayout::Nk => Op::GemmBnk,
+            BLayout::Kn => Op::GemmBkn,
+        };
+        let problem = Problem {
+            op,
+            groups: 1,
+            m: desc.m,
+            n: desc.n,
+            k: desc.k,
+        };
+        let variant = heuristics::choose(self.spec.as_ref(), &problem, self.device, variant)?;
         self.ctx.bind_to_thread()?;
         let probe = raw_args(desc, [0; 4]);
-        let workspace_bytes = moefuse_kernels::gemm_workspace_bytes(variant, &probe);
-        Ok(GemmPlan { desc: *desc, variant, workspace_bytes, ordinal: self.ctx.ordinal() })
+        let workspace_bytes = moefuse_kernels::gemm_workspace_bytes(variant, &probe)?;
+        Ok(GemmPlan {
+            desc: *desc,
+            variant,
+            workspace_bytes,
+            ordinal: self.ctx.ordinal(),
+        })
     }
 
     /// Runs `plan` on `stream`: `d = alpha · a · b + beta · d`. Checks buffer sizes,
@@ -177,7 +207,9 @@ impl Gemm {
     {
         let desc = &plan.desc;
         if plan.ordinal != self.ctx.ordinal() || stream.context().ordinal() != self.ctx.ordinal() {
-            return Err(GemmError::PlanMismatch("plan, stream and Gemm must belong to one device"));
+            return Err(GemmError::PlanMismatch(
+                "plan, stream and Gemm must belong to one device",
+            ));
         }
         check_len(Operand::A, desc.m * desc.k, a.len())?;
         check_len(Operand::B, desc.n * desc.k, b.len())?;
@@ -198,9 +230,17 @@ impl Gemm {
             }
             None => (0, None),
         };
-        for (operand, ptr) in [(Operand::A, a_ptr), (Operand::B, b_ptr), (Operand::D, d_ptr)] {
+        for (operand, ptr) in [
+            (Operand::A, a_ptr),
+            (Operand::B, b_ptr),
+            (Operand::D, d_ptr),
+        ] {
             if ptr % 16 != 0 {
-                return Err(GemmError::MisalignedPointer { operand, address: ptr, required: 16 });
+                return Err(GemmError::MisalignedPointer {
+                    operand,
+                    address: ptr,
+                    required: 16,
+                });
             }
         }
         let args = raw_args(desc, [a_ptr, b_ptr, d_ptr, d_ptr]);
@@ -225,7 +265,11 @@ impl Gemm {
 
 fn check_len(operand: Operand, needed: usize, got: usize) -> Result<(), GemmError> {
     if got < needed {
-        return Err(GemmError::BufferTooSmall { operand, needed, got });
+        return Err(GemmError::BufferTooSmall {
+            operand,
+            needed,
+            got,
+        });
     }
     Ok(())
 }
@@ -244,7 +288,11 @@ fn raw_args(desc: &GemmDesc, ptrs: [u64; 4]) -> ffi::MoefuseGemmArgs {
         b_layout,
         a,
         b,
-        c: if desc.beta == 0.0 { std::ptr::null() } else { c },
+        c: if desc.beta == 0.0 {
+            std::ptr::null()
+        } else {
+            c
+        },
         d,
         lda: desc.k as i64,
         ldb: ldb as i64,
@@ -261,14 +309,34 @@ mod tests {
 
     #[test]
     fn validation_names_the_broken_rule() {
-        assert!(GemmDesc::new(0, 8, 8).validate().is_ok(), "m = 0 is an empty problem, not an error");
-        assert!(matches!(GemmDesc::new(8, 0, 8).validate(), Err(GemmError::InvalidShape { .. })));
+        assert!(
+            GemmDesc::new(0, 8, 8).validate().is_ok(),
+            "m = 0 is an empty problem, not an error"
+        );
+        assert!(matches!(
+            GemmDesc::new(8, 0, 8).validate(),
+            Err(GemmError::InvalidShape { .. })
+        ));
         assert!(matches!(
             GemmDesc::new(8, 16, 12).validate(),
-            Err(GemmError::Misaligned { operand: Operand::A, value: 12, .. })
+            Err(GemmError::Misaligned {
+                operand: Operand::A,
+                value: 12,
+                ..
+            })
         ));
-        let kn = GemmDesc { b_layout: BLayout::Kn, ..GemmDesc::new(8, 20, 16) };
-        assert!(matches!(kn.validate(), Err(GemmError::Misaligned { operand: Operand::B, value: 20, .. })));
+        let kn = GemmDesc {
+            b_layout: BLayout::Kn,
+            ..GemmDesc::new(8, 20, 16)
+        };
+        assert!(matches!(
+            kn.validate(),
+            Err(GemmError::Misaligned {
+                operand: Operand::B,
+                value: 20,
+                ..
+            })
+        ));
         assert!(matches!(
             GemmDesc::new(1 << 31, 8, 8).validate(),
             Err(GemmError::InvalidShape { .. })
@@ -277,7 +345,10 @@ mod tests {
 
     #[test]
     fn raw_args_are_packed_and_skip_c_without_beta() {
-        let desc = GemmDesc { b_layout: BLayout::Kn, ..GemmDesc::new(3, 16, 8) };
+        let desc = GemmDesc {
+            b_layout: BLayout::Kn,
+            ..GemmDesc::new(3, 16, 8)
+        };
         let args = raw_args(&desc, [16, 32, 48, 48]);
         assert_eq!((args.lda, args.ldb, args.ldd), (8, 16, 16));
         assert!(args.c.is_null());

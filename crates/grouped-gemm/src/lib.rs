@@ -31,8 +31,12 @@
 
 mod error;
 mod gemm;
+mod grouped;
 mod heuristics;
 pub mod reference;
 
 pub use error::{GemmError, Operand};
 pub use gemm::{BLayout, Gemm, GemmDesc, GemmPlan};
+pub use grouped::{
+    check_offsets, validate_offsets, GroupedDesc, GroupedGemm, GroupedOp, GroupedPlan,
+};

@@ -4,12 +4,20 @@
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{reference, BLayout, Gemm, GemmDesc, GemmError, Operand};
-use moefuse_testkit::{rel_err, to_f32, unwritten, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
+use moefuse_testkit::{
+    rel_err, to_f32, unwritten, within, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16,
+};
 use std::sync::Arc;
 
 /// Shapes with M, N, K off every tile multiple, tiny and larger ones.
-const SHAPES: &[(usize, usize, usize)] =
-    &[(128, 256, 64), (1000, 1528, 776), (1, 8, 8), (77, 4104, 1032), (2048, 2048, 2048), (3001, 264, 136)];
+const SHAPES: &[(usize, usize, usize)] = &[
+    (128, 256, 64),
+    (1000, 1528, 776),
+    (1, 8, 8),
+    (77, 4104, 1032),
+    (2048, 2048, 2048),
+    (3001, 264, 136),
+];
 
 struct Case {
     desc: GemmDesc,
@@ -23,45 +31,79 @@ impl Case {
     fn new(desc: GemmDesc) -> Self {
         let seed = Rng::fresh_seed();
         let mut rng = Rng::new(seed);
-        let d0 = if desc.beta != 0.0 { rng.bf16_vec(desc.m * desc.n) } else { vec![POISON_BF16; desc.m * desc.n] };
-        Case { a: rng.bf16_vec(desc.m * desc.k), b: rng.bf16_vec(desc.n * desc.k), d0, desc, seed }
+        let d0 = if desc.beta != 0.0 {
+            rng.bf16_vec(desc.m * desc.n)
+        } else {
+            vec![POISON_BF16; desc.m * desc.n]
+        };
+        Case {
+            a: rng.bf16_vec(desc.m * desc.k),
+            b: rng.bf16_vec(desc.n * desc.k),
+            d0,
+            desc,
+            seed,
+        }
     }
 
     /// Runs `variant` (or the heuristic's choice) and compares every element.
-    fn check(&self, ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, variant: Option<&str>) -> Result<f64, String> {
+    fn check(
+        &self,
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        variant: Option<&str>,
+    ) -> Result<f64, String> {
         let what = format!("{:?} variant={variant:?} seed={}", self.desc, self.seed);
         let gemm = Gemm::new(ctx).map_err(|e| format!("{what}: {e}"))?;
-        let plan = gemm.plan_with(&self.desc, variant).map_err(|e| format!("{what}: {e}"))?;
+        let plan = gemm
+            .plan_with(&self.desc, variant)
+            .map_err(|e| format!("{what}: {e}"))?;
         let up = |v: &[bf16]| stream.clone_htod(v).map_err(|e| e.to_string());
         let (a, b, mut d) = (up(&self.a)?, up(&self.b)?, up(&self.d0)?);
         let mut ws = alloc_workspace(stream, plan.workspace_bytes())?;
-        gemm.run(&plan, stream, &a, &b, &mut d, ws.as_mut()).map_err(|e| format!("{what}: {e}"))?;
+        gemm.run(&plan, stream, &a, &b, &mut d, ws.as_mut())
+            .map_err(|e| format!("{what}: {e}"))?;
         let got = to_f32(&stream.clone_dtoh(&d).map_err(|e| e.to_string())?);
         let want = reference::gemm_all(&self.desc, &self.a, &self.b, Some(&self.d0));
         let (missing, first) = unwritten(&got);
         if missing > 0 {
-            return Err(format!("{what} ({}): {missing} outputs never written, first at {first:?}", plan.variant()));
+            return Err(format!(
+                "{what} ({}): {missing} outputs never written, first at {first:?}",
+                plan.variant()
+            ));
         }
         let err = rel_err(&got, &want);
-        if !(err < BF16_REL_ERR) {
-            return Err(format!("{what} ({}): rel err {err:.3e} >= {BF16_REL_ERR:e}", plan.variant()));
+        if !within(err, BF16_REL_ERR) {
+            return Err(format!(
+                "{what} ({}): rel err {err:.3e} >= {BF16_REL_ERR:e}",
+                plan.variant()
+            ));
         }
         Ok(err)
     }
 }
 
-fn alloc_workspace(stream: &Arc<CudaStream>, bytes: usize) -> Result<Option<CudaSlice<u8>>, String> {
+fn alloc_workspace(
+    stream: &Arc<CudaStream>,
+    bytes: usize,
+) -> Result<Option<CudaSlice<u8>>, String> {
     if bytes == 0 {
         return Ok(None);
     }
-    stream.alloc_zeros::<u8>(bytes).map(Some).map_err(|e| e.to_string())
+    stream
+        .alloc_zeros::<u8>(bytes)
+        .map(Some)
+        .map_err(|e| e.to_string())
 }
 
 /// Names of the compiled variants that can run on `ctx`'s device for `layout`.
 fn variants_for(ctx: &Arc<CudaContext>, layout: BLayout) -> Vec<String> {
     let (major, _) = ctx.compute_capability().expect("capability");
     let arch = if major == 9 { "sm90a" } else { "sm100a" };
-    let op = if layout == BLayout::Nk { "gemm_bnk" } else { "gemm_bkn" };
+    let op = if layout == BLayout::Nk {
+        "gemm_bnk"
+    } else {
+        "gemm_bkn"
+    };
     moefuse_kernels::compiled()
         .iter()
         .map(|v| v.name())
@@ -76,7 +118,10 @@ fn every_variant_matches_reference(ctx: &Arc<CudaContext>, layout: BLayout) -> R
         return Err(format!("no compiled {layout:?} variant for this GPU"));
     }
     for &(m, n, k) in SHAPES {
-        let case = Case::new(GemmDesc { b_layout: layout, ..GemmDesc::new(m, n, k) });
+        let case = Case::new(GemmDesc {
+            b_layout: layout,
+            ..GemmDesc::new(m, n, k)
+        });
         for v in &variants {
             let err = case.check(ctx, &stream, Some(v))?;
             println!("{v} m={m} n={n} k={k}: rel err {err:.2e}");
@@ -88,12 +133,21 @@ fn every_variant_matches_reference(ctx: &Arc<CudaContext>, layout: BLayout) -> R
 
 fn main() {
     GpuSuite::new()
-        .test("gemm_bnk_every_variant_matches_reference", |ctx| every_variant_matches_reference(ctx, BLayout::Nk))
-        .test("gemm_bkn_every_variant_matches_reference", |ctx| every_variant_matches_reference(ctx, BLayout::Kn))
+        .test("gemm_bnk_every_variant_matches_reference", |ctx| {
+            every_variant_matches_reference(ctx, BLayout::Nk)
+        })
+        .test("gemm_bkn_every_variant_matches_reference", |ctx| {
+            every_variant_matches_reference(ctx, BLayout::Kn)
+        })
         .test("gemm_alpha_beta_accumulate", |ctx| {
             let stream = ctx.default_stream();
             for layout in [BLayout::Nk, BLayout::Kn] {
-                let desc = GemmDesc { b_layout: layout, alpha: 0.5, beta: -1.5, ..GemmDesc::new(517, 392, 264) };
+                let desc = GemmDesc {
+                    b_layout: layout,
+                    alpha: 0.5,
+                    beta: -1.5,
+                    ..GemmDesc::new(517, 392, 264)
+                };
                 Case::new(desc).check(ctx, &stream, None)?;
             }
             Ok(())
@@ -101,11 +155,18 @@ fn main() {
         .test("gemm_empty_problem_launches_nothing", |ctx| {
             let stream = ctx.default_stream();
             let gemm = Gemm::new(ctx).map_err(|e| e.to_string())?;
-            let plan = gemm.plan(&GemmDesc::new(0, 64, 64)).map_err(|e| e.to_string())?;
+            let plan = gemm
+                .plan(&GemmDesc::new(0, 64, 64))
+                .map_err(|e| e.to_string())?;
             let a = stream.alloc_zeros::<bf16>(8).map_err(|e| e.to_string())?;
-            let b = stream.clone_htod(&vec![bf16::ONE; 64 * 64]).map_err(|e| e.to_string())?;
-            let mut d = stream.clone_htod(&[POISON_BF16; 8]).map_err(|e| e.to_string())?;
-            gemm.run(&plan, &stream, &a, &b, &mut d, None).map_err(|e| e.to_string())?;
+            let b = stream
+                .clone_htod(&vec![bf16::ONE; 64 * 64])
+                .map_err(|e| e.to_string())?;
+            let mut d = stream
+                .clone_htod(&[POISON_BF16; 8])
+                .map_err(|e| e.to_string())?;
+            gemm.run(&plan, &stream, &a, &b, &mut d, None)
+                .map_err(|e| e.to_string())?;
             let after = stream.clone_dtoh(&d).map_err(|e| e.to_string())?;
             if after.iter().any(|x| x.to_bits() != POISON_BF16.to_bits()) {
                 return Err("m = 0 wrote to D".into());
@@ -115,48 +176,102 @@ fn main() {
         .test("gemm_rejects_bad_buffers_before_launch", |ctx| {
             let stream = ctx.default_stream();
             let gemm = Gemm::new(ctx).map_err(|e| e.to_string())?;
-            let plan = gemm.plan(&GemmDesc::new(64, 64, 64)).map_err(|e| e.to_string())?;
-            let small = stream.alloc_zeros::<bf16>(64 * 64 - 1).map_err(|e| e.to_string())?;
-            let full = stream.alloc_zeros::<bf16>(64 * 64 + 8).map_err(|e| e.to_string())?;
-            let mut d = stream.alloc_zeros::<bf16>(64 * 64).map_err(|e| e.to_string())?;
+            let plan = gemm
+                .plan(&GemmDesc::new(64, 64, 64))
+                .map_err(|e| e.to_string())?;
+            let small = stream
+                .alloc_zeros::<bf16>(64 * 64 - 1)
+                .map_err(|e| e.to_string())?;
+            let full = stream
+                .alloc_zeros::<bf16>(64 * 64 + 8)
+                .map_err(|e| e.to_string())?;
+            let mut d = stream
+                .alloc_zeros::<bf16>(64 * 64)
+                .map_err(|e| e.to_string())?;
             match gemm.run(&plan, &stream, &small, &full, &mut d, None) {
-                Err(GemmError::BufferTooSmall { operand: Operand::A, needed: 4096, got: 4095 }) => {}
-                other => return Err(format!("undersized A: expected BufferTooSmall, got {other:?}")),
+                Err(GemmError::BufferTooSmall {
+                    operand: Operand::A,
+                    needed: 4096,
+                    got: 4095,
+                }) => {}
+                other => {
+                    return Err(format!(
+                        "undersized A: expected BufferTooSmall, got {other:?}"
+                    ))
+                }
             }
             let offset = full.slice(1..);
             match gemm.run(&plan, &stream, &offset, &full, &mut d, None) {
-                Err(GemmError::MisalignedPointer { operand: Operand::A, .. }) => {}
-                other => return Err(format!("misaligned A: expected MisalignedPointer, got {other:?}")),
+                Err(GemmError::MisalignedPointer {
+                    operand: Operand::A,
+                    ..
+                }) => {}
+                other => {
+                    return Err(format!(
+                        "misaligned A: expected MisalignedPointer, got {other:?}"
+                    ))
+                }
             }
             match gemm.plan_with(&GemmDesc::new(64, 64, 64), Some("sm90a_no_such_variant")) {
                 Err(GemmError::NoVariant { .. }) => Ok(()),
-                other => Err(format!("unknown override: expected NoVariant, got {other:?}")),
+                other => Err(format!(
+                    "unknown override: expected NoVariant, got {other:?}"
+                )),
             }
         })
         .test("kernel_of_another_arch_reports_arch_mismatch", |ctx| {
             let (major, _) = ctx.compute_capability().map_err(|e| e.to_string())?;
             let foreign = if major == 9 { "sm100a" } else { "sm90a" };
-            let Some(v) = moefuse_kernels::compiled().iter().find(|v| v.name().starts_with(foreign)) else {
-                return Err(format!("no {foreign} variant compiled: build with MOEFUSE_CUDA_ARCHS=90a,100a"));
+            let Some(v) = moefuse_kernels::compiled()
+                .iter()
+                .find(|v| v.name().starts_with(foreign))
+            else {
+                return Err(format!(
+                    "no {foreign} variant compiled: build with MOEFUSE_CUDA_ARCHS=90a,100a"
+                ));
             };
             let args = moefuse_kernels::ffi::MoefuseGemmArgs {
-                m: 64, n: 64, k: 64, b_layout: 0,
-                a: 16 as *const _, b: 16 as *const _, c: std::ptr::null(), d: 16 as *mut _,
-                lda: 64, ldb: 64, ldc: 64, ldd: 64, alpha: 1.0, beta: 0.0,
+                m: 64,
+                n: 64,
+                k: 64,
+                b_layout: 0,
+                a: 16 as *const _,
+                b: 16 as *const _,
+                c: std::ptr::null(),
+                d: 16 as *mut _,
+                lda: 64,
+                ldb: 64,
+                ldc: 64,
+                ldd: 64,
+                alpha: 1.0,
+                beta: 0.0,
             };
             ctx.bind_to_thread().map_err(|e| e.to_string())?;
             let stream = ctx.default_stream();
             // SAFETY: the launcher checks the device's capability before touching any
             // pointer, and returns ARCH_MISMATCH on this GPU; nothing is launched.
             let r = unsafe {
-                moefuse_kernels::launch_gemm(v, &args, std::ptr::null_mut(), 0, stream.cu_stream() as *mut _)
+                moefuse_kernels::launch_gemm(
+                    v,
+                    &args,
+                    std::ptr::null_mut(),
+                    0,
+                    stream.cu_stream() as *mut _,
+                )
             };
             match r {
-                Err(moefuse_kernels::KernelError::Launch { status: moefuse_kernels::Status::ArchMismatch, message, .. }) => {
+                Err(moefuse_kernels::KernelError::Launch {
+                    status: moefuse_kernels::Status::ArchMismatch,
+                    message,
+                    ..
+                }) => {
                     println!("{}: {message}", v.name());
                     Ok(())
                 }
-                other => Err(format!("{}: expected ArchMismatch, got {other:?}", v.name())),
+                other => Err(format!(
+                    "{}: expected ArchMismatch, got {other:?}",
+                    v.name()
+                )),
             }
         })
         .run()

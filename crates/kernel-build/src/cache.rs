@@ -93,7 +93,14 @@ mod tests {
     fn depfile_lists_every_continued_line() {
         let d = "out.o: a.cu \\\n /x/b.h c.hpp\n";
         let got = parse_depfile(d);
-        assert_eq!(got, vec![PathBuf::from("a.cu"), PathBuf::from("/x/b.h"), PathBuf::from("c.hpp")]);
+        assert_eq!(
+            got,
+            vec![
+                PathBuf::from("a.cu"),
+                PathBuf::from("/x/b.h"),
+                PathBuf::from("c.hpp")
+            ]
+        );
     }
 
     #[test]

@@ -30,7 +30,11 @@ pub struct Unit {
 impl Unit {
     /// A short label: `sm90a/<file stem>` or `host/<file stem>`.
     pub fn label(&self) -> String {
-        let stem = self.source.file_stem().unwrap_or_default().to_string_lossy();
+        let stem = self
+            .source
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy();
         format!("{}/{stem}", self.arch.map_or("host", Arch::name))
     }
 }
@@ -69,7 +73,10 @@ pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError
         .collect::<Vec<_>>();
     for &arch in archs {
         for source in list(&kernels_dir.join("instances").join(arch.name()), "cu")? {
-            out.push(Unit { source, arch: Some(arch) });
+            out.push(Unit {
+                source,
+                arch: Some(arch),
+            });
         }
     }
     Ok(out)
@@ -118,7 +125,9 @@ pub fn compile_all(
             let tx = tx.clone();
             let (queue, on_event, kernels_dir) = (&queue, &on_event, &kernels_dir);
             s.spawn(move || loop {
-                let Some((i, unit)) = queue.lock().expect("queue poisoned").next() else { break };
+                let Some((i, unit)) = queue.lock().expect("queue poisoned").next() else {
+                    break;
+                };
                 let result = compile_one(tc, kernels_dir, unit, cache, on_event);
                 let failed = result.is_err();
                 let _ = tx.send((i, result));
@@ -166,7 +175,12 @@ fn compile_one(
         unit.label().as_bytes(),
     ]);
     if let Some(path) = cache.lookup(&key) {
-        let obj = Object { unit: unit.clone(), path, cached: true, seconds: 0.0 };
+        let obj = Object {
+            unit: unit.clone(),
+            path,
+            cached: true,
+            seconds: 0.0,
+        };
         on_event(Event::Finished(obj.clone()));
         return Ok(obj);
     }
@@ -185,12 +199,19 @@ fn compile_one(
         .arg("-o")
         .arg(&object)
         .output()
-        .map_err(|e| BuildError::Tool { tool: tc.nvcc().display().to_string(), detail: e.to_string() })?;
+        .map_err(|e| BuildError::Tool {
+            tool: tc.nvcc().display().to_string(),
+            detail: e.to_string(),
+        })?;
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let arch = unit.arch.map_or("host", Arch::name).to_string();
     if !out.status.success() {
         let _ = fs::remove_file(&object);
-        return Err(BuildError::Nvcc { source_file: unit.source.clone(), arch, stderr });
+        return Err(BuildError::Nvcc {
+            source_file: unit.source.clone(),
+            arch,
+            stderr,
+        });
     }
     check_spills(unit, &stderr)?;
     let deps_text = fs::read_to_string(&depfile).map_err(io_err(&depfile))?;
@@ -200,7 +221,12 @@ fn compile_one(
         .filter(|p| p.starts_with(kernels_dir))
         .collect();
     cache.record(&key, &deps)?;
-    let obj = Object { unit: unit.clone(), path: object, cached: false, seconds: start.elapsed().as_secs_f64() };
+    let obj = Object {
+        unit: unit.clone(),
+        path: object,
+        cached: false,
+        seconds: start.elapsed().as_secs_f64(),
+    };
     on_event(Event::Finished(obj.clone()));
     Ok(obj)
 }
@@ -213,7 +239,10 @@ fn check_spills(unit: &Unit, stderr: &str) -> Result<(), BuildError> {
     if report.is_empty() || std::env::var_os("MOEFUSE_ALLOW_SPILLS").is_some() {
         return Ok(());
     }
-    Err(BuildError::Spill { source_file: unit.source.clone(), report: report.join("\n") })
+    Err(BuildError::Spill {
+        source_file: unit.source.clone(),
+        report: report.join("\n"),
+    })
 }
 
 /// Packs `objects` into the static library `out` (replacing it), with member names taken
@@ -234,9 +263,15 @@ pub fn archive(objects: &[Object], out: &Path) -> Result<(), BuildError> {
         .arg(out)
         .args(&members)
         .status()
-        .map_err(|e| BuildError::Tool { tool: "ar".into(), detail: e.to_string() })?;
+        .map_err(|e| BuildError::Tool {
+            tool: "ar".into(),
+            detail: e.to_string(),
+        })?;
     if !status.success() {
-        return Err(BuildError::Tool { tool: "ar".into(), detail: format!("exit status {status}") });
+        return Err(BuildError::Tool {
+            tool: "ar".into(),
+            detail: format!("exit status {status}"),
+        });
     }
     Ok(())
 }

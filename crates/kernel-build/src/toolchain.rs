@@ -48,13 +48,21 @@ pub(crate) fn cache_root() -> PathBuf {
     if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(dir).join("moefuse");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     home.join(".cache").join("moefuse")
 }
 
 /// The environment variables discovery reads (for `cargo:rerun-if-env-changed`).
-pub const TOOLCHAIN_ENV: &[&str] =
-    &["CUDA_HOME", "CUTLASS_DIR", "NVSHMEM_HOME", "MOEFUSE_TOOLCHAIN_DIR", "XDG_CACHE_HOME", "HOME"];
+pub const TOOLCHAIN_ENV: &[&str] = &[
+    "CUDA_HOME",
+    "CUTLASS_DIR",
+    "NVSHMEM_HOME",
+    "MOEFUSE_TOOLCHAIN_DIR",
+    "XDG_CACHE_HOME",
+    "HOME",
+];
 
 /// A located toolchain.
 #[derive(Debug, Clone)]
@@ -100,7 +108,10 @@ impl Toolchain {
         let nvcc_version = nvcc_version(&nvcc)?;
         Ok(Toolchain {
             cutlass_include: vec![cutlass.join("include"), cutlass.join("tools/util/include")],
-            nvshmem_root: nvshmem.join("include/nvshmem.h").is_file().then_some(nvshmem),
+            nvshmem_root: nvshmem
+                .join("include/nvshmem.h")
+                .is_file()
+                .then_some(nvshmem),
             cuda_root,
             nvcc_version,
         })
@@ -135,10 +146,13 @@ fn ensure_lib64(cuda_root: &Path) -> Result<(), BuildError> {
 }
 
 fn nvcc_version(nvcc: &Path) -> Result<String, BuildError> {
-    let out = Command::new(nvcc).arg("--version").output().map_err(|e| BuildError::Tool {
-        tool: nvcc.display().to_string(),
-        detail: e.to_string(),
-    })?;
+    let out = Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .map_err(|e| BuildError::Tool {
+            tool: nvcc.display().to_string(),
+            detail: e.to_string(),
+        })?;
     let text = String::from_utf8_lossy(&out.stdout);
     text.lines()
         .find(|l| l.contains("release"))

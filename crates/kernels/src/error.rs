@@ -54,8 +54,18 @@ pub enum KernelError {
         /// `moefuse_last_error()` right after the call.
         message: String,
     },
+    /// A variant was called through the entry of another operation kind.
+    #[error("variant {variant} is not a {expected} GEMM")]
+    WrongEntry {
+        /// The variant's name.
+        variant: String,
+        /// The kind the call expected.
+        expected: &'static str,
+    },
     /// The linked library's ABI is not the one these bindings describe.
-    #[error("kernel library ABI version {found}, bindings expect {expected}: rebuild moefuse-kernels")]
+    #[error(
+        "kernel library ABI version {found}, bindings expect {expected}: rebuild moefuse-kernels"
+    )]
     AbiMismatch {
         /// From `moefuse_abi_version()`.
         found: u32,

@@ -5,10 +5,10 @@
 
 #![allow(non_camel_case_types)]
 
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 
 /// `MOEFUSE_ABI_VERSION` this crate was written against.
-pub const MOEFUSE_ABI_VERSION: u32 = 1;
+pub const MOEFUSE_ABI_VERSION: u32 = 2;
 
 /// `moefuse_status`: kept as a plain integer so an unknown value cannot be undefined behaviour.
 pub type MoefuseStatus = i32;
@@ -66,8 +66,49 @@ pub struct MoefuseGemmArgs {
     pub beta: f32,
 }
 
+/// `moefuse_grouped_gemm_args`: grouped GEMM over prefix-sum offsets, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseGroupedGemmArgs {
+    /// Number of groups (experts).
+    pub num_groups: i32,
+    /// Rows the row-indexed buffers hold (ends are clamped to it).
+    pub total_rows: i32,
+    /// M-grouped: columns of D. K-grouped: columns of B and of each D_e.
+    pub n: i32,
+    /// M-grouped: inner dimension. K-grouped: columns of A, rows of each D_e.
+    pub k: i32,
+    /// M-grouped: `MOEFUSE_B_LAYOUT_*` of each W_e.
+    pub b_layout: i32,
+    /// Must be 0.
+    pub reserved: i32,
+    /// `[num_groups]` prefix-sum row ends, int32, device memory.
+    pub offsets: *const i32,
+    /// A, `[total_rows, k]` row-major.
+    pub a: *const c_void,
+    /// M-grouped: weights `[groups, n, k]` or `[groups, k, n]`; K-grouped: `[total_rows, n]`.
+    pub b: *const c_void,
+    /// M-grouped: `[total_rows, n]`; K-grouped: `[groups, k, n]`.
+    pub d: *mut c_void,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of D's previous content.
+    pub beta: f32,
+}
+
+/// A grouped variant's launcher.
+pub type GroupedLaunchFn = unsafe extern "C" fn(
+    *const MoefuseGroupedGemmArgs,
+    *mut c_void,
+    usize,
+    *mut c_void,
+) -> MoefuseStatus;
+/// A grouped variant's workspace query.
+pub type GroupedWorkspaceFn = unsafe extern "C" fn(*const MoefuseGroupedGemmArgs) -> usize;
+
 /// A variant's launcher: `moefuse_<variant>(args, workspace, workspace_bytes, stream)`.
-pub type GemmLaunchFn = unsafe extern "C" fn(*const MoefuseGemmArgs, *mut c_void, usize, *mut c_void) -> MoefuseStatus;
+pub type GemmLaunchFn =
+    unsafe extern "C" fn(*const MoefuseGemmArgs, *mut c_void, usize, *mut c_void) -> MoefuseStatus;
 /// A variant's workspace query: `moefuse_<variant>_workspace(args)`.
 pub type GemmWorkspaceFn = unsafe extern "C" fn(*const MoefuseGemmArgs) -> usize;
 
@@ -76,7 +117,7 @@ extern "C" {
     /// `moefuse_abi_version()`
     pub fn moefuse_abi_version() -> u32;
     /// `moefuse_last_error()`: thread-local, NUL-terminated, never null.
-    pub fn moefuse_last_error() -> *const c_char;
+    pub fn moefuse_last_error() -> *const std::ffi::c_char;
 }
 
 #[cfg(test)]
@@ -95,5 +136,13 @@ mod tests {
         assert_eq!(offset_of!(MoefuseGemmArgs, ldd), 72);
         assert_eq!(offset_of!(MoefuseGemmArgs, alpha), 80);
         assert_eq!(offset_of!(MoefuseGemmArgs, beta), 84);
+    }
+
+    #[test]
+    fn grouped_args_layout_matches_abi_h() {
+        assert_eq!(size_of::<MoefuseGroupedGemmArgs>(), 64);
+        assert_eq!(offset_of!(MoefuseGroupedGemmArgs, offsets), 24);
+        assert_eq!(offset_of!(MoefuseGroupedGemmArgs, d), 48);
+        assert_eq!(offset_of!(MoefuseGroupedGemmArgs, alpha), 56);
     }
 }

@@ -30,17 +30,28 @@ pub use variant_table::{Op, Schedule, VariantArch, VariantSpec, VARIANTS};
 use std::ffi::c_void;
 
 #[allow(unused_imports)]
-use ffi::MoefuseGemmArgs;
-#[allow(unused_imports)]
-use ffi::MoefuseStatus;
+use ffi::{MoefuseGemmArgs, MoefuseGroupedGemmArgs, MoefuseStatus};
 
-/// A variant compiled into this build: its spec and its two C entry points.
+/// A variant's two C entry points, typed by the argument struct they take.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(moefuse_kernels_linked), allow(dead_code))]
+enum Entry {
+    Gemm {
+        run: ffi::GemmLaunchFn,
+        workspace: ffi::GemmWorkspaceFn,
+    },
+    Grouped {
+        run: ffi::GroupedLaunchFn,
+        workspace: ffi::GroupedWorkspaceFn,
+    },
+}
+
+/// A variant compiled into this build: its spec and its C entry points.
 #[derive(Debug, Clone, Copy)]
 pub struct CompiledVariant {
     /// What the variant is.
     pub spec: &'static VariantSpec,
-    run: ffi::GemmLaunchFn,
-    workspace: ffi::GemmWorkspaceFn,
+    entry: Entry,
 }
 
 impl CompiledVariant {
@@ -69,7 +80,10 @@ pub fn compiled() -> &'static [CompiledVariant] {
 /// assert!(archs.iter().all(|a| *a == "sm90a" || *a == "sm100a"));
 /// ```
 pub fn built_archs() -> Vec<&'static str> {
-    env!("MOEFUSE_BUILT_ARCHS").split(',').filter(|s| !s.is_empty()).collect()
+    env!("MOEFUSE_BUILT_ARCHS")
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .collect()
 }
 
 /// Checks the linked library's ABI version against these bindings.
@@ -83,18 +97,46 @@ pub fn check_abi() -> Result<(), KernelError> {
         // SAFETY: a plain getter with no arguments and no side effects.
         let found = unsafe { ffi::moefuse_abi_version() };
         if found != ffi::MOEFUSE_ABI_VERSION {
-            return Err(KernelError::AbiMismatch { found, expected: ffi::MOEFUSE_ABI_VERSION });
+            return Err(KernelError::AbiMismatch {
+                found,
+                expected: ffi::MOEFUSE_ABI_VERSION,
+            });
         }
     }
     Ok(())
 }
 
-/// Bytes of device workspace `variant` needs for `args` (0 when the device or the
-/// arguments do not fit the variant; [`launch_gemm`] then reports why).
-pub fn gemm_workspace_bytes(variant: &CompiledVariant, args: &MoefuseGemmArgs) -> usize {
-    // SAFETY: the query reads `args` (a valid reference for the call) and device
-    // attributes; it dereferences none of the pointers inside `args`.
-    unsafe { (variant.workspace)(args) }
+/// Bytes of device workspace the dense `variant` needs for `args` (0 when the device or
+/// the arguments do not fit the variant; [`launch_gemm`] then reports why).
+pub fn gemm_workspace_bytes(
+    variant: &CompiledVariant,
+    args: &MoefuseGemmArgs,
+) -> Result<usize, KernelError> {
+    match variant.entry {
+        // SAFETY: the query reads `args` (a valid reference for the call) and device
+        // attributes; it dereferences none of the pointers inside `args`.
+        Entry::Gemm { workspace, .. } => Ok(unsafe { workspace(args) }),
+        Entry::Grouped { .. } => Err(KernelError::WrongEntry {
+            variant: variant.name(),
+            expected: "dense",
+        }),
+    }
+}
+
+/// Bytes of device workspace the grouped `variant` needs for `args` (0 when the device or
+/// the arguments do not fit; [`launch_grouped`] then reports why).
+pub fn grouped_workspace_bytes(
+    variant: &CompiledVariant,
+    args: &MoefuseGroupedGemmArgs,
+) -> Result<usize, KernelError> {
+    match variant.entry {
+        // SAFETY: as for gemm_workspace_bytes: sizes and device attributes only.
+        Entry::Grouped { workspace, .. } => Ok(unsafe { workspace(args) }),
+        Entry::Gemm { .. } => Err(KernelError::WrongEntry {
+            variant: variant.name(),
+            expected: "grouped",
+        }),
+    }
 }
 
 /// Launches `variant` on `stream` with `args` and `workspace`.
@@ -112,12 +154,52 @@ pub unsafe fn launch_gemm(
     workspace_bytes: usize,
     stream: *mut c_void,
 ) -> Result<(), KernelError> {
+    let Entry::Gemm { run, .. } = variant.entry else {
+        return Err(KernelError::WrongEntry {
+            variant: variant.name(),
+            expected: "dense",
+        });
+    };
     // SAFETY: forwarded from this function's contract.
-    let raw = unsafe { (variant.run)(args, workspace, workspace_bytes, stream) };
+    let raw = unsafe { run(args, workspace, workspace_bytes, stream) };
+    status(variant, raw)
+}
+
+/// Launches the grouped `variant` on `stream` with `args` and `workspace`.
+///
+/// # Safety
+/// `args.offsets` must address `num_groups` int32 in device memory; `a`, `b`, `d` device
+/// memory of the current context valid for the extents abi.h gives for the variant's kind
+/// (rows up to `total_rows`, `num_groups` weight or output matrices), until the kernels have
+/// finished on `stream`; `workspace` at least the queried bytes, 256-byte aligned; `stream` a
+/// live stream of the current context, made current on this thread.
+pub unsafe fn launch_grouped(
+    variant: &CompiledVariant,
+    args: &MoefuseGroupedGemmArgs,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    stream: *mut c_void,
+) -> Result<(), KernelError> {
+    let Entry::Grouped { run, .. } = variant.entry else {
+        return Err(KernelError::WrongEntry {
+            variant: variant.name(),
+            expected: "grouped",
+        });
+    };
+    // SAFETY: forwarded from this function's contract.
+    let raw = unsafe { run(args, workspace, workspace_bytes, stream) };
+    status(variant, raw)
+}
+
+fn status(variant: &CompiledVariant, raw: MoefuseStatus) -> Result<(), KernelError> {
     if raw == ffi::MOEFUSE_STATUS_OK {
         return Ok(());
     }
-    Err(KernelError::Launch { variant: variant.name(), status: Status::from_raw(raw), message: last_error() })
+    Err(KernelError::Launch {
+        variant: variant.name(),
+        status: Status::from_raw(raw),
+        message: last_error(),
+    })
 }
 
 /// The library's message for the last failure on this thread.
@@ -155,10 +237,25 @@ mod tests {
     fn compiled_variants_match_built_archs() {
         let archs = built_archs();
         for v in compiled() {
-            assert!(archs.contains(&v.spec.arch.name()), "{} compiled but its arch is not built", v.name());
+            assert!(
+                archs.contains(&v.spec.arch.name()),
+                "{} compiled but its arch is not built",
+                v.name()
+            );
         }
-        let expected = VARIANTS.iter().filter(|v| archs.contains(&v.arch.name())).count();
+        let expected = VARIANTS
+            .iter()
+            .filter(|v| archs.contains(&v.arch.name()))
+            .count();
         assert_eq!(compiled().len(), expected);
+    }
+
+    #[test]
+    fn entries_match_ops() {
+        for v in compiled() {
+            let grouped = matches!(v.entry, Entry::Grouped { .. });
+            assert_eq!(grouped, v.spec.op.is_grouped(), "{}", v.name());
+        }
     }
 
     #[test]

@@ -31,6 +31,12 @@ pub enum Op {
     GemmBnk,
     /// Dense GEMM, B stored `[k, n]` (N contiguous).
     GemmBkn,
+    /// M-grouped GEMM (forward, dgrad), each W_e stored `[n, k]`.
+    GroupedFwdBnk,
+    /// M-grouped GEMM (forward, dgrad), each W_e stored `[k, n]`.
+    GroupedFwdBkn,
+    /// K-grouped GEMM (wgrad): D_e = A_eᵀ · B_e.
+    GroupedWgrad,
 }
 
 /// One kernel variant: everything its name encodes.
@@ -50,14 +56,132 @@ pub struct VariantSpec {
 
 /// Every variant moefuse compiles, in a stable order.
 pub const VARIANTS: &[VariantSpec] = &[
-    VariantSpec { arch: VariantArch::Sm90a, op: Op::GemmBnk, tile: [128, 256, 64], cluster: [2, 1], schedule: Schedule::Cooperative },
-    VariantSpec { arch: VariantArch::Sm90a, op: Op::GemmBnk, tile: [128, 128, 64], cluster: [2, 1], schedule: Schedule::Cooperative },
-    VariantSpec { arch: VariantArch::Sm90a, op: Op::GemmBnk, tile: [64, 128, 64], cluster: [1, 1], schedule: Schedule::Pingpong },
-    VariantSpec { arch: VariantArch::Sm90a, op: Op::GemmBkn, tile: [128, 256, 64], cluster: [2, 1], schedule: Schedule::Cooperative },
-    VariantSpec { arch: VariantArch::Sm90a, op: Op::GemmBkn, tile: [64, 128, 64], cluster: [1, 1], schedule: Schedule::Pingpong },
-    VariantSpec { arch: VariantArch::Sm100a, op: Op::GemmBnk, tile: [256, 256, 64], cluster: [2, 1], schedule: Schedule::TwoSm },
-    VariantSpec { arch: VariantArch::Sm100a, op: Op::GemmBnk, tile: [128, 128, 64], cluster: [1, 1], schedule: Schedule::OneSm },
-    VariantSpec { arch: VariantArch::Sm100a, op: Op::GemmBkn, tile: [256, 256, 64], cluster: [2, 1], schedule: Schedule::TwoSm },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GemmBnk,
+        tile: [128, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GemmBnk,
+        tile: [128, 128, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GemmBnk,
+        tile: [64, 128, 64],
+        cluster: [1, 1],
+        schedule: Schedule::Pingpong,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GemmBkn,
+        tile: [128, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GemmBkn,
+        tile: [64, 128, 64],
+        cluster: [1, 1],
+        schedule: Schedule::Pingpong,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm100a,
+        op: Op::GemmBnk,
+        tile: [256, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::TwoSm,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm100a,
+        op: Op::GemmBnk,
+        tile: [128, 128, 64],
+        cluster: [1, 1],
+        schedule: Schedule::OneSm,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm100a,
+        op: Op::GemmBkn,
+        tile: [256, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::TwoSm,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedFwdBnk,
+        tile: [128, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedFwdBnk,
+        tile: [128, 128, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedFwdBnk,
+        tile: [64, 128, 64],
+        cluster: [1, 1],
+        schedule: Schedule::Pingpong,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedFwdBkn,
+        tile: [128, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedFwdBkn,
+        tile: [64, 128, 64],
+        cluster: [1, 1],
+        schedule: Schedule::Pingpong,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedWgrad,
+        tile: [128, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedWgrad,
+        tile: [128, 128, 64],
+        cluster: [1, 1],
+        schedule: Schedule::Cooperative,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm100a,
+        op: Op::GroupedFwdBnk,
+        tile: [256, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::TwoSm,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm100a,
+        op: Op::GroupedFwdBkn,
+        tile: [256, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::TwoSm,
+    },
+    VariantSpec {
+        arch: VariantArch::Sm100a,
+        op: Op::GroupedWgrad,
+        tile: [256, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::TwoSm,
+    },
 ];
 
 impl VariantArch {
@@ -83,12 +207,23 @@ impl Schedule {
 }
 
 impl Op {
-    /// The name field: `gemm_bnk`, `gemm_bkn`.
+    /// The name field: `gemm_bnk`, `gemm_bkn`, `grouped_fwd_bnk`, `grouped_fwd_bkn`, `grouped_wgrad`.
     pub const fn name(self) -> &'static str {
         match self {
             Op::GemmBnk => "gemm_bnk",
             Op::GemmBkn => "gemm_bkn",
+            Op::GroupedFwdBnk => "grouped_fwd_bnk",
+            Op::GroupedFwdBkn => "grouped_fwd_bkn",
+            Op::GroupedWgrad => "grouped_wgrad",
         }
+    }
+
+    /// True for the grouped operations (launched with `moefuse_grouped_gemm_args`).
+    pub const fn is_grouped(self) -> bool {
+        matches!(
+            self,
+            Op::GroupedFwdBnk | Op::GroupedFwdBkn | Op::GroupedWgrad
+        )
     }
 }
 
@@ -110,22 +245,43 @@ impl VariantSpec {
     pub fn instance_source(&self) -> String {
         let [m, n, k] = self.tile;
         let [cm, cn] = self.cluster;
-        let (header, ns, sched) = match self.schedule {
-            Schedule::Cooperative => ("sm90/gemm.cuh", "sm90", "Cooperative"),
-            Schedule::Pingpong => ("sm90/gemm.cuh", "sm90", "Pingpong"),
-            Schedule::OneSm => ("sm100/gemm.cuh", "sm100", "OneSm"),
-            Schedule::TwoSm => ("sm100/gemm.cuh", "sm100", "TwoSm"),
+        let (ns, sched) = match self.schedule {
+            Schedule::Cooperative => ("sm90", "Cooperative"),
+            Schedule::Pingpong => ("sm90", "Pingpong"),
+            Schedule::OneSm => ("sm100", "OneSm"),
+            Schedule::TwoSm => ("sm100", "TwoSm"),
         };
-        let layout = match self.op {
-            Op::GemmBnk => "MOEFUSE_B_LAYOUT_NK",
-            Op::GemmBkn => "MOEFUSE_B_LAYOUT_KN",
+        let (header, define, template, kind, layout) = match self.op {
+            Op::GemmBnk => ("gemm", "GEMM", "GemmBf16", "", "MOEFUSE_B_LAYOUT_NK"),
+            Op::GemmBkn => ("gemm", "GEMM", "GemmBf16", "", "MOEFUSE_B_LAYOUT_KN"),
+            Op::GroupedFwdBnk => (
+                "grouped_gemm",
+                "GROUPED",
+                "GroupedBf16",
+                "moefuse::GroupedKind::kMGrouped, ",
+                "MOEFUSE_B_LAYOUT_NK",
+            ),
+            Op::GroupedFwdBkn => (
+                "grouped_gemm",
+                "GROUPED",
+                "GroupedBf16",
+                "moefuse::GroupedKind::kMGrouped, ",
+                "MOEFUSE_B_LAYOUT_KN",
+            ),
+            Op::GroupedWgrad => (
+                "grouped_gemm",
+                "GROUPED",
+                "GroupedBf16",
+                "moefuse::GroupedKind::kKGrouped, ",
+                "MOEFUSE_B_LAYOUT_NK",
+            ),
         };
         format!(
             "// generated by `cargo xtask gen-variants` from crates/kernels/src/variant_table.rs; do not edit\n\
-             #include \"moefuse/{header}\"\n\n\
-             MOEFUSE_DEFINE_GEMM({name},\n\
-             \x20                   moefuse::{ns}::GemmBf16<{m}, {n}, {k}, {cm}, {cn}, moefuse::{ns}::{sched},\n\
-             \x20                                           {layout}>)\n",
+             #include \"moefuse/{ns}/{header}.cuh\"\n\n\
+             MOEFUSE_DEFINE_{define}({name},\n\
+             \x20                   moefuse::{ns}::{template}<{m}, {n}, {k}, {cm}, {cn}, moefuse::{ns}::{sched},\n\
+             \x20                                           {kind}{layout}>)\n",
             name = self.name()
         )
     }

@@ -42,7 +42,9 @@ impl Rng {
 
     /// A seed from the clock, so every run draws fresh inputs (print it on failure).
     pub fn fresh_seed() -> u64 {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         t.as_nanos() as u64 ^ (std::process::id() as u64) << 32
     }
 
@@ -90,6 +92,16 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
         return num.sqrt();
     }
     (num / den).sqrt()
+}
+
+/// True when `err` is a number below `bound` (NaN, from poison or overflow, never passes).
+///
+/// ```
+/// assert!(moefuse_testkit::within(1e-3, 1e-2));
+/// assert!(!moefuse_testkit::within(f64::NAN, 1e-2));
+/// ```
+pub fn within(err: f64, bound: f64) -> bool {
+    err.partial_cmp(&bound) == Some(std::cmp::Ordering::Less)
 }
 
 /// How many elements still hold the poison (NaN), and the first such index.

@@ -20,12 +20,14 @@ pub fn gpu() -> Result<Arc<CudaContext>, String> {
     // into a reason, since "no driver" is the normal state of CI machines.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
-    let opened = std::panic::catch_unwind(|| CudaContext::device_count().and_then(|n| {
-        if n < 1 {
-            return Ok(None);
-        }
-        CudaContext::new(0).map(Some)
-    }));
+    let opened = std::panic::catch_unwind(|| {
+        CudaContext::device_count().and_then(|n| {
+            if n < 1 {
+                return Ok(None);
+            }
+            CudaContext::new(0).map(Some)
+        })
+    });
     std::panic::set_hook(hook);
     match opened {
         Ok(Ok(Some(ctx))) => Ok(ctx),

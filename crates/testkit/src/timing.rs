@@ -29,7 +29,11 @@ impl Stats {
             let (lo, hi) = (x.floor() as usize, x.ceil() as usize);
             us[lo] + (us[hi] - us[lo]) * (x - lo as f64)
         };
-        Stats { median_us: q(0.5), iqr_us: q(0.75) - q(0.25), samples: us.len() }
+        Stats {
+            median_us: q(0.5),
+            iqr_us: q(0.75) - q(0.25),
+            samples: us.len(),
+        }
     }
 }
 

@@ -17,7 +17,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct layout or launcher signature changes. */
-#define MOEFUSE_ABI_VERSION 1
+#define MOEFUSE_ABI_VERSION 2
 
 typedef enum moefuse_status {
   MOEFUSE_STATUS_OK = 0,
@@ -67,6 +67,38 @@ typedef struct moefuse_gemm_args {
   float alpha;
   float beta;
 } moefuse_gemm_args;
+
+/*
+ * Grouped GEMM over experts e = 0..num_groups-1; group e owns rows [start_e, end_e) with
+ * end_e = offsets[e] and start_e = end_{e-1} (start_0 = 0): the prefix-sum form, int32, in
+ * device memory, so a launch needs no host synchronisation. Ends are clamped to total_rows
+ * and a decreasing end gives an empty group, so no offsets can make a kernel touch memory
+ * outside the buffers (decreasing ends can make later groups overlap earlier ones: memory
+ * safe, result unspecified; the Rust API's check_offsets finds them). Rows past
+ * end_{G-1} are left untouched.
+ *
+ * M-grouped (fwd, dgrad): D[rows_e, :] = alpha * A[rows_e, :] * W_e + beta * D[rows_e, :]
+ *   A [total_rows, k], D [total_rows, n] row-major; W_e = b + e*n*k, stored [n, k]
+ *   (b_layout NK) or [k, n] (KN). dgrad is the same call with the weights' other layout.
+ * K-grouped (wgrad): D_e = alpha * A[rows_e, :]^T * B[rows_e, :] + beta * D_e
+ *   A [total_rows, k], B [total_rows, n] row-major; D_e = d + e*k*n, [k, n] row-major.
+ *   An empty group gets D_e = 0 when beta == 0 and is left untouched otherwise.
+ * bf16 operands, fp32 accumulation. C is D itself (beta reads D's previous content).
+ */
+typedef struct moefuse_grouped_gemm_args {
+  int32_t num_groups;
+  int32_t total_rows;
+  int32_t n;
+  int32_t k;
+  int32_t b_layout; /* M-grouped: moefuse_b_layout of W_e; K-grouped: ignored */
+  int32_t reserved; /* 0 */
+  const int32_t* offsets;
+  const void* a;
+  const void* b;
+  void* d;
+  float alpha;
+  float beta;
+} moefuse_grouped_gemm_args;
 
 /* The ABI version the library was built with (MOEFUSE_ABI_VERSION). */
 uint32_t moefuse_abi_version(void);

@@ -5,7 +5,7 @@
 mod sm100;
 mod sm90;
 
-use crate::{BLayout, GemmDesc, GemmError};
+use crate::GemmError;
 use moefuse_kernels::{compiled, CompiledVariant, Op, VariantArch};
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -19,60 +19,105 @@ pub(crate) struct Device {
     pub(crate) sms: usize,
 }
 
+/// The heuristic for `ctx`'s device: checks the ABI, that moefuse has kernels for the
+/// device's architecture and that this build compiled them; reads the SM count.
+pub(crate) fn for_device(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+) -> Result<(Box<dyn ArchSpec + Send + Sync>, Device), GemmError> {
+    moefuse_kernels::check_abi()?;
+    let (major, minor) = ctx.compute_capability()?;
+    let spec: Box<dyn ArchSpec + Send + Sync> = match (major, minor) {
+        (9, 0) => Box::new(Sm90),
+        (10, 0) => Box::new(Sm100),
+        _ => return Err(GemmError::UnsupportedArch { major, minor }),
+    };
+    let arch = spec.arch().name();
+    if !moefuse_kernels::built_archs().contains(&arch) {
+        return Err(GemmError::ArchNotBuilt {
+            arch,
+            built: moefuse_kernels::built_archs().join(","),
+        });
+    }
+    let sms = ctx.attribute(
+        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+    )?;
+    Ok((spec, Device { sms: sms as usize }))
+}
+
+/// What a heuristic sees of a problem: `groups` GEMMs of `m × n` outputs (dense: one group;
+/// grouped: the expected rows per group) reducing over `k`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Problem {
+    pub(crate) op: Op,
+    pub(crate) groups: usize,
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+}
+
 /// A tile choice: the name fields a heuristic ranks.
 pub(crate) trait ArchSpec {
     /// The architecture the spec is for.
     fn arch(&self) -> VariantArch;
-    /// Scores a candidate for `desc` on `device`: lower is better; `None` rules it out.
-    fn score(&self, v: &CompiledVariant, desc: &GemmDesc, device: Device) -> Option<f64>;
+    /// Scores a candidate for `p` on `device`: lower is better; `None` rules it out.
+    fn score(&self, v: &CompiledVariant, p: &Problem, device: Device) -> Option<f64>;
 }
 
-pub(crate) fn op_for(layout: BLayout) -> Op {
-    match layout {
-        BLayout::Nk => Op::GemmBnk,
-        BLayout::Kn => Op::GemmBkn,
-    }
-}
-
-/// Picks the variant for `desc`: the override if given (or `MOEFUSE_GEMM_VARIANT`), else the
-/// best-scoring compiled candidate of `spec`'s arch and the desc's op.
+/// Picks the variant for `p`: the override if given (or `MOEFUSE_GEMM_VARIANT`), else the
+/// best-scoring compiled candidate of `spec`'s arch and `p`'s op.
 pub(crate) fn choose(
     spec: &dyn ArchSpec,
-    desc: &GemmDesc,
+    p: &Problem,
     device: Device,
     override_name: Option<&str>,
 ) -> Result<&'static CompiledVariant, GemmError> {
-    let op = op_for(desc.b_layout);
-    let candidates = compiled().iter().filter(|v| v.spec.arch == spec.arch() && v.spec.op == op);
-    let env = std::env::var("MOEFUSE_GEMM_VARIANT").ok();
+    let op = p.op;
+    let candidates = compiled()
+        .iter()
+        .filter(|v| v.spec.arch == spec.arch() && v.spec.op == op);
+    let env = std::env::var("MOEFUSE_GEMM_VARIANT")
+        .ok()
+        .filter(|n| n.contains(op.name()));
     if let Some(name) = override_name.or(env.as_deref()) {
         return candidates
             .clone()
             .find(|v| v.name() == name)
-            .ok_or_else(|| GemmError::NoVariant { what: format!("override `{name}` ({} {:?})", spec.arch().name(), op) });
+            .ok_or_else(|| GemmError::NoVariant {
+                what: format!("override `{name}` ({} {:?})", spec.arch().name(), op),
+            });
     }
     let best = candidates
-        .filter_map(|v| spec.score(v, desc, device).map(|s| (s, v)))
+        .filter_map(|v| spec.score(v, p, device).map(|s| (s, v)))
         .min_by(|a, b| a.0.total_cmp(&b.0))
         .map(|(_, v)| v)
-        .ok_or_else(|| GemmError::NoVariant { what: format!("{} {:?}", spec.arch().name(), op) })?;
-    log_once(desc, best);
+        .ok_or_else(|| GemmError::NoVariant {
+            what: format!("{} {:?}", spec.arch().name(), op),
+        })?;
+    log_once(p, best);
     Ok(best)
 }
 
-fn log_once(desc: &GemmDesc, v: &CompiledVariant) {
-    static SEEN: Mutex<Option<HashSet<(usize, usize, usize, String)>>> = Mutex::new(None);
-    let key = (desc.m, desc.n, desc.k, v.name());
-    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
-    if seen.get_or_insert_with(HashSet::new).insert(key) {
-        tracing::debug!(m = desc.m, n = desc.n, k = desc.k, variant = %v.name(), "moefuse gemm variant chosen");
+fn log_once(p: &Problem, v: &'static CompiledVariant) {
+    static SEEN: Mutex<Option<HashSet<(Problem, &'static str)>>> = Mutex::new(None);
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if seen
+        .get_or_insert_with(HashSet::new)
+        .insert((*p, v.spec.op.name()))
+    {
+        tracing::debug!(op = p.op.name(), groups = p.groups, m = p.m, n = p.n, k = p.k, variant = %v.name(), "moefuse variant chosen");
     }
 }
 
 /// Predicted time of a tile shape, in units of one full wave of `tile` tiles: waves
 /// rounded up (the tail wave costs a whole wave), each wave scaled by the tile's work.
-pub(crate) fn wave_cost(m: usize, n: usize, tile_m: usize, tile_n: usize, sms: usize, efficiency: f64) -> f64 {
-    let tiles = m.div_ceil(tile_m) * n.div_ceil(tile_n);
+pub(crate) fn wave_cost(
+    p: &Problem,
+    tile_m: usize,
+    tile_n: usize,
+    sms: usize,
+    efficiency: f64,
+) -> f64 {
+    let tiles = p.groups * p.m.max(1).div_ceil(tile_m) * p.n.div_ceil(tile_n);
     let waves = tiles.div_ceil(sms.max(1));
     waves as f64 * (tile_m * tile_n) as f64 / efficiency
 }
@@ -83,8 +128,27 @@ mod tests {
 
     #[test]
     fn partial_waves_cost_a_whole_wave() {
-        let one = wave_cost(128, 256 * 132, 128, 256, 132, 1.0);
-        let two = wave_cost(128, 256 * 133, 128, 256, 132, 1.0);
+        let p = |n| Problem {
+            op: Op::GemmBnk,
+            groups: 1,
+            m: 128,
+            n,
+            k: 64,
+        };
+        let one = wave_cost(&p(256 * 132), 128, 256, 132, 1.0);
+        let two = wave_cost(&p(256 * 133), 128, 256, 132, 1.0);
         assert_eq!(two, 2.0 * one);
+    }
+
+    #[test]
+    fn groups_multiply_tiles() {
+        let p = Problem {
+            op: Op::GroupedFwdBnk,
+            groups: 8,
+            m: 128,
+            n: 256,
+            k: 64,
+        };
+        assert_eq!(wave_cost(&p, 128, 256, 4, 1.0), 2.0 * 128.0 * 256.0);
     }
 }

@@ -2,8 +2,7 @@
 //! tiles to fill the 132 SMs; smaller M or N move to 128x128, and decode-sized M (≤ 64
 //! rows) to the 64x128 ping-pong tile, whose M wastes least on few rows.
 
-use super::{wave_cost, ArchSpec, Device};
-use crate::GemmDesc;
+use super::{wave_cost, ArchSpec, Device, Problem};
 use moefuse_kernels::{CompiledVariant, Schedule, VariantArch};
 
 pub(crate) struct Sm90;
@@ -13,7 +12,7 @@ impl ArchSpec for Sm90 {
         VariantArch::Sm90a
     }
 
-    fn score(&self, v: &CompiledVariant, desc: &GemmDesc, device: Device) -> Option<f64> {
+    fn score(&self, v: &CompiledVariant, p: &Problem, device: Device) -> Option<f64> {
         let [tm, tn, _] = v.spec.tile.map(|x| x as usize);
         // Relative per-tile throughput: starting guesses (larger tiles reuse operands
         // better); `bench_gemm --all-variants` times each variant, docs/perf-notes.md.
@@ -23,6 +22,6 @@ impl ArchSpec for Sm90 {
             (Schedule::Pingpong, 64, 128) => 0.7,
             _ => 0.6,
         };
-        Some(wave_cost(desc.m, desc.n, tm, tn, device.sms, efficiency))
+        Some(wave_cost(p, tm, tn, device.sms, efficiency))
     }
 }

@@ -10,21 +10,9 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "moefuse/abi.h"
 #include "moefuse/common/status.hpp"
+#include "moefuse/common/stride.hpp"
 
 namespace moefuse {
-
-// Sets the one dynamic leading dimension of a rank-3 CuTe stride whose other leading
-// mode is the static unit stride, leaving the batch mode at 0 (one batch).
-template <class Stride>
-inline Stride leading_stride(int64_t ld) {
-  Stride s{};
-  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<1>(s))>>::value) {
-    cute::get<0>(s) = ld;  // (ld, _1, batch): row-major rows, or B stored [n, k]
-  } else {
-    cute::get<1>(s) = ld;  // (_1, ld, batch): B stored [k, n]
-  }
-  return s;
-}
 
 template <class Config>
 typename Config::Gemm::Arguments to_arguments(const moefuse_gemm_args& p, int device, int sms) {

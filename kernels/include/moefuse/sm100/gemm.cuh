@@ -21,6 +21,8 @@ namespace moefuse::sm100 {
 struct OneSm {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecialized1SmSm100;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized1Sm;
+  using GroupedKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecialized1SmSm100;
+  using GroupedEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm;
   static constexpr int kSms = 1;
 };
 
@@ -29,6 +31,8 @@ struct OneSm {
 struct TwoSm {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecialized2SmSm100;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized2Sm;
+  using GroupedKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecialized2SmSm100;
+  using GroupedEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecialized2Sm;
   static constexpr int kSms = 2;
 };
 

@@ -18,12 +18,16 @@ namespace moefuse::sm90 {
 struct Cooperative {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using GroupedKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using GroupedEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   static constexpr int kMinTileM = 128;
 };
 
 struct Pingpong {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+  using GroupedKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using GroupedEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   static constexpr int kMinTileM = 64;
 };
 
