@@ -7,13 +7,13 @@
 //! `--all-variants`, every compiled variant of the case to `DIR/gemm_variants.jsonl`).
 
 use clap::Parser;
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm as _, GemmConfig};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use indicatif::ProgressBar;
 use moefuse_benches::{append, commit, rotation, time_interleaved, today, Backend, Error, Record};
 use moefuse_grouped_gemm::{reference, BLayout, Gemm, GemmDesc};
-use moefuse_testkit::{rel_err, to_f32, Rng, POISON_BF16};
+use moefuse_testkit::{cublas_rowmajor, rel_err, to_f32, Rng, POISON_BF16};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -266,7 +266,6 @@ fn sampled_err(
     Ok(rel_err(&g, &w))
 }
 
-/// cuBLAS on the same row-major problem: column-major Dᵀ = op(B)·Aᵀ.
 fn cublas(
     blas: &CudaBlas,
     desc: &GemmDesc,
@@ -274,24 +273,12 @@ fn cublas(
     b: &CudaSlice<bf16>,
     d: &mut CudaSlice<bf16>,
 ) -> Result<(), Error> {
-    let (transa, lda) = match desc.b_layout {
-        BLayout::Nk => (cublasOperation_t::CUBLAS_OP_T, desc.k),
-        BLayout::Kn => (cublasOperation_t::CUBLAS_OP_N, desc.n),
-    };
-    let cfg = GemmConfig {
-        transa,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: desc.n as i32,
-        n: desc.m as i32,
-        k: desc.k as i32,
-        alpha: bf16::ONE,
-        lda: lda as i32,
-        ldb: desc.k as i32,
-        beta: bf16::ZERO,
-        ldc: desc.n as i32,
-    };
-    // SAFETY: a is [m,k], b is [n,k] or [k,n], d is [m,n], all of this context: the
-    // extents cfg describes.
-    unsafe { blas.gemm(cfg, b, a, d) }?;
-    Ok(())
+    Ok(cublas_rowmajor(
+        blas,
+        (desc.m, desc.n, desc.k),
+        desc.b_layout == BLayout::Nk,
+        a,
+        b,
+        d,
+    )?)
 }

@@ -7,14 +7,14 @@
 //! CPU reference). Appends to `DIR/grouped_gemm.jsonl`.
 
 use clap::Parser;
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm as _, GemmConfig};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use indicatif::ProgressBar;
 use moefuse_benches::cases::{self, Case, Pass};
 use moefuse_benches::{append, commit, rotation, time_interleaved, today, Backend, Error, Record};
 use moefuse_grouped_gemm::{reference, BLayout, GemmDesc, GroupedDesc, GroupedGemm, GroupedOp};
-use moefuse_testkit::{rel_err, Rng, POISON_BF16};
+use moefuse_testkit::{cublas_rowmajor, rel_err, Rng, POISON_BF16};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -291,7 +291,6 @@ fn dense_sampled_err(
     Ok(rel_err(&g, &reference::gemm(desc, a, b, None, &rows)))
 }
 
-/// cuBLAS on a row-major `[m, k] · [n, k]ᵀ` problem: column-major Dᵀ = B·Aᵀ.
 fn cublas(
     blas: &CudaBlas,
     desc: &GemmDesc,
@@ -299,19 +298,12 @@ fn cublas(
     b: &CudaSlice<bf16>,
     d: &mut CudaSlice<bf16>,
 ) -> Result<(), Error> {
-    let cfg = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: desc.n as i32,
-        n: desc.m as i32,
-        k: desc.k as i32,
-        alpha: bf16::ONE,
-        lda: desc.k as i32,
-        ldb: desc.k as i32,
-        beta: bf16::ZERO,
-        ldc: desc.n as i32,
-    };
-    // SAFETY: a is [m,k], b is [n,k], d is [m,n] of this context, as cfg describes.
-    unsafe { blas.gemm(cfg, b, a, d) }?;
-    Ok(())
+    Ok(cublas_rowmajor(
+        blas,
+        (desc.m, desc.n, desc.k),
+        true,
+        a,
+        b,
+        d,
+    )?)
 }

@@ -6,10 +6,12 @@
 //! events, 5 warm-ups, 30 samples, median [IQR]) and prints TFLOP/s. Without a GPU: says
 //! why, and runs the CPU reference on a small problem instead. Exit code 0 in both cases.
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm as _, GemmConfig};
+use cudarc::cublas::CudaBlas;
 use half::bf16;
 use moefuse_grouped_gemm::{reference, Gemm, GemmDesc};
-use moefuse_testkit::{rel_err, time_stream, to_f32, within, Rng, BF16_REL_ERR, POISON_BF16};
+use moefuse_testkit::{
+    cublas_rowmajor, rel_err, time_stream, to_f32, within, Rng, BF16_REL_ERR, POISON_BF16,
+};
 use std::time::Instant;
 
 type Error = Box<dyn std::error::Error>;
@@ -103,23 +105,9 @@ fn gpu_demo(
         Ok(())
     })?;
     let blas = CudaBlas::new(stream.clone())?;
-    // Row-major D[m,n] = A[m,k]·B[n,k]ᵀ is column-major Dᵀ = B·Aᵀ: cuBLAS (T, N).
-    let cfg = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: desc.n as i32,
-        n: desc.m as i32,
-        k: desc.k as i32,
-        alpha: bf16::ONE,
-        lda: desc.k as i32,
-        ldb: desc.k as i32,
-        beta: bf16::ZERO,
-        ldc: desc.n as i32,
-    };
     let mut d_blas = stream.alloc_zeros::<bf16>(desc.m * desc.n)?;
     let theirs = time_stream(&stream, 5, 30, |_| -> Result<(), Error> {
-        // SAFETY: b is [n,k], a is [m,k], d_blas is [m,n]: the extents cfg describes.
-        unsafe { blas.gemm(cfg, &b, &a, &mut d_blas) }?;
+        cublas_rowmajor(&blas, (desc.m, desc.n, desc.k), true, &a, &b, &mut d_blas)?;
         Ok(())
     })?;
     let blas_out = to_f32(&stream.clone_dtoh(&d_blas)?);

@@ -6,6 +6,7 @@
 //! 2. [`Rng`] draws reproducible random inputs; every failure message carries the seed.
 //! 3. [`rel_err`] and [`unwritten`] compare results with a CPU reference.
 //! 4. [`time_stream`] times work on a stream with CUDA events: warm-up, samples, median, IQR.
+//! 5. [`cublas_rowmajor`] runs the cuBLAS baseline on the same row-major problem.
 //!
 //! ```no_run
 //! use moefuse_testkit::GpuSuite;
@@ -15,9 +16,11 @@
 //! }).run();
 //! ```
 
+mod blas;
 mod suite;
 mod timing;
 
+pub use blas::cublas_rowmajor;
 pub use suite::{gpu, GpuSuite};
 pub use timing::{time_stream, Stats};
 
@@ -67,9 +70,18 @@ impl Rng {
         (self.next_u64() % n.max(1) as u64) as usize
     }
 
-    /// `len` bf16 values uniform in [-1, 1).
+    /// `len` bf16 values uniform in [-1, 1), drawn in parallel chunks (each chunk from
+    /// its own generator seeded by this one, so the result depends only on the seed).
     pub fn bf16_vec(&mut self, len: usize) -> Vec<bf16> {
-        (0..len).map(|_| bf16::from_f32(self.uniform())).collect()
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 20;
+        let seeds: Vec<u64> = (0..len.div_ceil(CHUNK)).map(|_| self.next_u64()).collect();
+        let mut out = vec![bf16::ZERO; len];
+        out.par_chunks_mut(CHUNK).zip(seeds).for_each(|(chunk, seed)| {
+            let mut rng = Rng::new(seed);
+            chunk.iter_mut().for_each(|x| *x = bf16::from_f32(rng.uniform()));
+        });
+        out
     }
 }
 
