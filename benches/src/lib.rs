@@ -87,6 +87,17 @@ pub fn rotation(ctx: &Arc<CudaContext>, bytes_per_set: usize) -> usize {
     (3 * l2).div_ceil(bytes_per_set.max(1)).clamp(1, 64)
 }
 
+/// Device 0 for benchmark `name`, or `None` after printing `SKIPPED <name>: <reason>`.
+pub fn open_gpu(name: &str) -> Option<Arc<CudaContext>> {
+    match moefuse_testkit::gpu() {
+        Ok(ctx) => Some(ctx),
+        Err(why) => {
+            println!("SKIPPED {name}: {why}");
+            None
+        }
+    }
+}
+
 /// Boxed error for benchmark programs.
 pub type Error = Box<dyn std::error::Error>;
 

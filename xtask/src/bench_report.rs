@@ -64,26 +64,69 @@ pub fn run() -> Result<()> {
     fs::write(&doc_path, doc).map_err(|e| e.to_string())
 }
 
+/// One row per case, one column per backend (in order of first appearance), then the
+/// ratio of each baseline's median to moefuse's (above 1: moefuse is faster). Each table
+/// shows only the latest run of each (case, backend).
 fn render(rows: &[Row]) -> String {
-    let mut by_case: BTreeMap<&str, Vec<&Row>> = BTreeMap::new();
+    let mut backends: Vec<&str> = Vec::new();
+    let mut cases: Vec<&str> = Vec::new();
+    let mut latest: BTreeMap<(&str, &str), &Row> = BTreeMap::new();
     for r in rows {
-        by_case.entry(&r.case).or_default().push(r);
-    }
-    let mut s = String::from("| case | backend | median µs [IQR] | rate | rel. err | GPU | date | commit |\n|---|---|---:|---:|---:|---|---|---|\n");
-    for (case, rs) in by_case {
-        for r in rs {
-            let rate = match (r.tflops, r.gbps) {
-                (Some(t), _) => format!("{t:.0} TFLOP/s"),
-                (None, Some(g)) => format!("{g:.0} GB/s"),
-                _ => "-".into(),
-            };
-            let err = r.rel_err.map_or("-".into(), |e| format!("{e:.1e}"));
-            let _ = writeln!(
-                s,
-                "| {case} | {} | {:.1} [{:.1}] | {rate} | {err} | {} | {} | {} |",
-                r.backend, r.median_us, r.iqr_us, r.gpu, r.date, r.commit
-            );
+        if !backends.contains(&r.backend.as_str()) {
+            backends.push(&r.backend);
         }
+        if !cases.contains(&r.case.as_str()) {
+            cases.push(&r.case);
+        }
+        latest.insert((&r.case, &r.backend), r);
+    }
+    let baselines: Vec<&str> = backends
+        .iter()
+        .copied()
+        .filter(|b| *b != "moefuse")
+        .collect();
+    let mut s = String::from("| case |");
+    for b in &backends {
+        let _ = write!(s, " {b} µs [IQR] | {b} rate |");
+    }
+    for b in &baselines {
+        let _ = write!(s, " {b} / moefuse |");
+    }
+    s.push_str(" max rel. err |\n|---|");
+    s.push_str(&"---:|".repeat(2 * backends.len() + baselines.len() + 1));
+    s.push('\n');
+    let mut meta = BTreeMap::new();
+    for case in cases {
+        let _ = write!(s, "| {case} |");
+        let mut err = 0f64;
+        for b in &backends {
+            match latest.get(&(case, *b)) {
+                Some(r) => {
+                    let rate = match (r.tflops, r.gbps) {
+                        (Some(t), _) => format!("{t:.0} TFLOP/s"),
+                        (None, Some(g)) => format!("{g:.0} GB/s"),
+                        _ => "-".into(),
+                    };
+                    let _ = write!(s, " {:.1} [{:.1}] | {rate} |", r.median_us, r.iqr_us);
+                    err = err.max(r.rel_err.unwrap_or(0.0));
+                    meta.insert((r.gpu.as_str(), r.date.as_str(), r.commit.as_str()), ());
+                }
+                None => s.push_str(" - | - |"),
+            }
+        }
+        let ours = latest.get(&(case, "moefuse")).map(|r| r.median_us);
+        for b in &baselines {
+            match (ours, latest.get(&(case, *b))) {
+                (Some(o), Some(r)) => {
+                    let _ = write!(s, " {:.2}× |", r.median_us / o);
+                }
+                _ => s.push_str(" - |"),
+            }
+        }
+        let _ = writeln!(s, " {err:.1e} |");
+    }
+    for (gpu, date, commit) in meta.keys() {
+        let _ = writeln!(s, "\nMeasured on {gpu}, {date}, commit {commit}.");
     }
     s
 }

@@ -12,9 +12,9 @@ const RUN_SH: &str = include_str!("run.sh");
 const CARRY_LIMIT: u64 = 64 << 20;
 
 /// Builds and gathers the binaries; prints the pack's size against the carry limit.
-pub fn run() -> Result<()> {
+pub fn run(sm: &str) -> Result<()> {
     setup::run(false)?;
-    build::build_kernels("90a,100a", None)?;
+    build::build_kernels(sm, None)?;
     let pack = root().join(".device-pack");
     let _ = fs::remove_dir_all(&pack);
     fs::create_dir_all(pack.join("tests")).map_err(|e| e.to_string())?;
@@ -28,7 +28,7 @@ pub fn run() -> Result<()> {
         }
     }
 
-    let tests = artifacts(&["test", "--workspace", "--release", "--no-run"], true)?;
+    let tests = artifacts(&["test", "--workspace", "--release", "--no-run"], true, sm)?;
     let bins = artifacts(
         &[
             "build",
@@ -41,6 +41,7 @@ pub fn run() -> Result<()> {
             "--examples",
         ],
         false,
+        sm,
     )?;
     let mut size = 0;
     for (dir, list) in [("tests", &tests), ("bin", &bins)] {
@@ -85,11 +86,11 @@ pub fn run() -> Result<()> {
 
 /// Runs cargo with JSON messages and returns (name, executable) for each artifact; test
 /// binaries are named `<target>-<kind>` so unit and integration tests do not collide.
-fn artifacts(args: &[&str], tests: bool) -> Result<Vec<(String, PathBuf)>> {
+fn artifacts(args: &[&str], tests: bool, sm: &str) -> Result<Vec<(String, PathBuf)>> {
     let mut child = cargo()
         .args(args)
         .arg("--message-format=json-render-diagnostics")
-        .env("MOEFUSE_CUDA_ARCHS", "90a,100a")
+        .env("MOEFUSE_CUDA_ARCHS", sm)
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| e.to_string())?;

@@ -70,7 +70,12 @@ enum Task {
         args: Vec<String>,
     },
     /// Build the GPU test and benchmark binaries into .device-pack/ with a run.sh.
-    DevicePack,
+    DevicePack {
+        /// Targets to compile (a Hopper-only pack builds faster; the arch-mismatch test
+        /// then reports that no foreign variant was compiled).
+        #[arg(long, default_value = "90a,100a")]
+        sm: String,
+    },
     /// Render docs/benchmarks.md from benches/results/*.jsonl.
     BenchReport,
 }
@@ -84,7 +89,7 @@ fn main() -> ExitCode {
         Task::Inspect { sm } => build::inspect(&sm),
         Task::Test { args } => test(&args),
         Task::Demo { args } => demo(&args),
-        Task::DevicePack => device_pack::run(),
+        Task::DevicePack { sm } => device_pack::run(&sm),
         Task::BenchReport => bench_report::run(),
     };
     match result {

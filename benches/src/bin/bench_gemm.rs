@@ -11,7 +11,9 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use indicatif::ProgressBar;
-use moefuse_benches::{append, commit, rotation, time_interleaved, today, Backend, Error, Record};
+use moefuse_benches::{
+    append, commit, open_gpu, rotation, time_interleaved, today, Backend, Error, Record,
+};
 use moefuse_grouped_gemm::{reference, BLayout, Gemm, GemmDesc};
 use moefuse_testkit::{cublas_rowmajor, rel_err, to_f32, Rng, POISON_BF16};
 use std::path::PathBuf;
@@ -54,12 +56,8 @@ struct Inputs {
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let ctx = match moefuse_testkit::gpu() {
-        Ok(ctx) => ctx,
-        Err(why) => {
-            println!("SKIPPED bench_gemm: {why}");
-            return Ok(());
-        }
+    let Some(ctx) = open_gpu("bench_gemm") else {
+        return Ok(());
     };
     let stream = ctx.default_stream();
     let gpu = ctx.name()?;

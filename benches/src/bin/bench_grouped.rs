@@ -12,8 +12,12 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use indicatif::ProgressBar;
 use moefuse_benches::cases::{self, Case, Pass};
-use moefuse_benches::{append, commit, rotation, time_interleaved, today, Backend, Error, Record};
-use moefuse_grouped_gemm::{reference, BLayout, GemmDesc, GroupedDesc, GroupedGemm, GroupedOp};
+use moefuse_benches::{
+    append, commit, open_gpu, rotation, time_interleaved, today, Backend, Error, Record,
+};
+use moefuse_grouped_gemm::{
+    reference, BLayout, GemmDesc, GroupedDesc, GroupedGemm, GroupedOp, Raster, TileOrder,
+};
 use moefuse_testkit::{cublas_rowmajor, rel_err, Rng, POISON_BF16};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,6 +36,11 @@ struct Args {
     /// Timed samples per backend.
     #[arg(long, default_value_t = 20)]
     samples: usize,
+    /// Instead of the comparison: time every compiled variant of each case under each tile
+    /// order (raster along M/N, swizzle 1/2/4), checked against the verified default
+    /// output; appends to `DIR/grouped_gemm_sweep.jsonl`.
+    #[arg(long)]
+    sweep: bool,
 }
 
 /// Host copies of one case's operands and the problem they form.
@@ -52,12 +61,8 @@ fn main() -> Result<(), Error> {
         println!("{}", serde_json::to_string(&all)?);
         return Ok(());
     }
-    let ctx = match moefuse_testkit::gpu() {
-        Ok(ctx) => ctx,
-        Err(why) => {
-            println!("SKIPPED bench_grouped: {why}");
-            return Ok(());
-        }
+    let Some(ctx) = open_gpu("bench_grouped") else {
+        return Ok(());
     };
     let stream = ctx.default_stream();
     let gpu = ctx.name()?;
@@ -82,6 +87,23 @@ fn main() -> Result<(), Error> {
         let mut ws = stream.alloc_zeros::<u8>(plan.workspace_bytes().max(1))?;
         gemm.run(&plan, &stream, &offsets, &a[0], &b[0], &mut d, &mut ws)?;
         let err = sampled_err(&stream, &p, &d)?;
+        if args.sweep {
+            let verified = stream.clone_dtoh(&d)?;
+            let inputs = (&offsets, &a[..], &b[..]);
+            records.extend(sweep(
+                &gemm,
+                &stream,
+                case,
+                &p,
+                inputs,
+                &verified,
+                err,
+                &gpu,
+                args.samples,
+            )?);
+            bar.inc(1);
+            continue;
+        }
 
         // Dense cuBLAS with the same FLOPs: one [rows x n x k] product (wgrad: [k x n x rows]).
         let total: usize = case.sizes.iter().sum();
@@ -142,8 +164,99 @@ fn main() -> Result<(), Error> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    append(&args.out, "grouped_gemm", &records)?;
+    append(
+        &args.out,
+        if args.sweep {
+            "grouped_gemm_sweep"
+        } else {
+            "grouped_gemm"
+        },
+        &records,
+    )?;
     Ok(())
+}
+
+/// Every compiled variant of the case's op under each tile order, timed alone; each
+/// output must match the verified default run (`rel_err` relative to it, then plus the
+/// default's own error against the CPU reference).
+#[allow(clippy::too_many_arguments)]
+fn sweep(
+    gemm: &GroupedGemm,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    p: &Problem,
+    (offsets, a, b): (&CudaSlice<i32>, &[CudaSlice<bf16>], &[CudaSlice<bf16>]),
+    verified: &[bf16],
+    verified_err: f64,
+    gpu: &str,
+    samples: usize,
+) -> Result<Vec<Record>, Error> {
+    let op = gemm.plan(&p.desc)?.variant();
+    let op = op
+        .split("_bf16")
+        .next()
+        .unwrap_or("")
+        .split_once('_')
+        .map_or("", |(_, o)| o)
+        .to_string();
+    let (major, _) = stream.context().compute_capability()?;
+    let arch = if major == 9 { "sm90a" } else { "sm100a" };
+    let names: Vec<String> = moefuse_kernels::compiled()
+        .iter()
+        .map(|v| v.name())
+        .filter(|n| n.starts_with(arch) && n.contains(&format!("_{op}_")))
+        .collect();
+    let want: Vec<f32> = verified.iter().map(|x| x.to_f32()).collect();
+    let sets = a.len();
+    let mut out = Vec::new();
+    for name in &names {
+        for (raster, rname) in [(Raster::AlongM, "M"), (Raster::AlongN, "N")] {
+            for swizzle in [1u8, 2, 4] {
+                let desc = GroupedDesc {
+                    tile_order: TileOrder { raster, swizzle },
+                    ..p.desc
+                };
+                let plan = gemm.plan_with(&desc, Some(name))?;
+                let mut d = stream.clone_htod(&vec![POISON_BF16; verified.len()])?;
+                let mut ws = stream.alloc_zeros::<u8>(plan.workspace_bytes().max(1))?;
+                gemm.run(&plan, stream, offsets, &a[0], &b[0], &mut d, &mut ws)?;
+                let got: Vec<f32> = stream.clone_dtoh(&d)?.iter().map(|x| x.to_f32()).collect();
+                let diff = rel_err(&got, &want);
+                let mut one: Vec<Backend> = vec![Box::new(|i| {
+                    Ok(gemm.run(
+                        &plan,
+                        stream,
+                        offsets,
+                        &a[i % sets],
+                        &b[i % sets],
+                        &mut d,
+                        &mut ws,
+                    )?)
+                })];
+                let s = time_interleaved(stream, &mut one, 2, samples)?[0];
+                let tflops = case.flops() / s.median_us / 1e6;
+                let label = format!("{}/{name}/r{rname}s{swizzle}", case.name);
+                println!(
+                    "{label:<100} {:9.1} us {tflops:6.1} TFLOP/s  diff {diff:.1e}",
+                    s.median_us
+                );
+                out.push(Record {
+                    suite: "grouped_gemm_sweep".into(),
+                    case: label,
+                    backend: "moefuse".into(),
+                    gpu: gpu.into(),
+                    median_us: s.median_us,
+                    iqr_us: s.iqr_us,
+                    tflops: Some(tflops),
+                    gbps: None,
+                    rel_err: diff + verified_err,
+                    date: today(),
+                    commit: commit(),
+                });
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The case as a moefuse problem, weights `[E, N, K]` as `nn.Linear` stores them.

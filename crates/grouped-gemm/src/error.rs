@@ -98,6 +98,12 @@ pub enum GemmError {
         /// What was asked for.
         what: String,
     },
+    /// A tile order the kernels do not implement.
+    #[error("tile order swizzle {swizzle}: must be 1, 2, 4 or 8")]
+    InvalidTileOrder {
+        /// The requested swizzle.
+        swizzle: u8,
+    },
     /// The plan belongs to another device or layout than the call.
     #[error("plan mismatch: {0}")]
     PlanMismatch(&'static str),

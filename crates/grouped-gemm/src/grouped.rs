@@ -48,6 +48,46 @@ pub struct GroupedDesc {
     pub beta: f32,
     /// Expected rows per group, for the tile heuristic (default `rows / groups`).
     pub rows_per_group_hint: Option<usize>,
+    /// Order in which the persistent kernel walks each group's tiles (tuning).
+    pub tile_order: TileOrder,
+}
+
+/// Rasterisation of the output tiles inside a group, and the swizzle width: which tiles
+/// run together, so which operand tiles stay in L2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TileOrder {
+    /// Walk direction.
+    pub raster: Raster,
+    /// Max swizzle width: 1 (none), 2, 4 or 8.
+    pub swizzle: u8,
+}
+
+/// Walk direction of the tile scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Raster {
+    /// The kernel's default (CUTLASS's grouped scheduler: along M).
+    #[default]
+    Default,
+    /// Consecutive tiles step along M (one column block of B stays hot).
+    AlongM,
+    /// Consecutive tiles step along N (one row block of A stays hot).
+    AlongN,
+}
+
+impl TileOrder {
+    fn encode(self) -> Result<i32, GemmError> {
+        let raster = match self.raster {
+            Raster::Default => 0,
+            Raster::AlongM => 1,
+            Raster::AlongN => 2,
+        };
+        if !matches!(self.swizzle, 0 | 1 | 2 | 4 | 8) {
+            return Err(GemmError::InvalidTileOrder {
+                swizzle: self.swizzle,
+            });
+        }
+        Ok(raster | (i32::from(self.swizzle) << 8))
+    }
 }
 
 impl GroupedDesc {
@@ -69,6 +109,7 @@ impl GroupedDesc {
             alpha: 1.0,
             beta: 0.0,
             rows_per_group_hint: None,
+            tile_order: TileOrder::default(),
         }
     }
 
@@ -101,6 +142,7 @@ impl GroupedDesc {
             alpha: 1.0,
             beta: 0.0,
             rows_per_group_hint: None,
+            tile_order: TileOrder::default(),
         }
     }
 
@@ -162,6 +204,7 @@ impl GroupedDesc {
         if self.groups.checked_mul(n * k).is_none() || m.checked_mul(n.max(k)).is_none() {
             return Err(shape("buffer extents overflow"));
         }
+        self.tile_order.encode()?;
         for (dim, value) in [("n", n), ("k", k)] {
             if value % 8 != 0 {
                 return Err(GemmError::Misaligned {
@@ -452,7 +495,7 @@ fn raw_args(desc: &GroupedDesc, offsets: u64, ptrs: [u64; 3]) -> ffi::MoefuseGro
         n: desc.n as i32,
         k: desc.k as i32,
         b_layout,
-        reserved: 0,
+        tile_order: desc.tile_order.encode().unwrap_or(0),
         offsets: offsets as *const i32,
         a,
         b,
@@ -501,6 +544,14 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(validate_offsets(&[-1], 9).is_err());
+    }
+
+    #[test]
+    fn tile_order_encodes_as_abi_h_says() {
+        let o = |raster, swizzle| TileOrder { raster, swizzle }.encode();
+        assert_eq!(o(Raster::Default, 0).unwrap(), 0);
+        assert_eq!(o(Raster::AlongN, 4).unwrap(), 2 | (4 << 8));
+        assert!(matches!(o(Raster::AlongM, 3), Err(GemmError::InvalidTileOrder { swizzle: 3 })));
     }
 
     #[test]

@@ -38,5 +38,6 @@ pub mod reference;
 pub use error::{GemmError, Operand};
 pub use gemm::{BLayout, Gemm, GemmDesc, GemmPlan};
 pub use grouped::{
-    check_offsets, validate_offsets, GroupedDesc, GroupedGemm, GroupedOp, GroupedPlan,
+    check_offsets, validate_offsets, GroupedDesc, GroupedGemm, GroupedOp, GroupedPlan, Raster,
+    TileOrder,
 };

@@ -1,12 +1,12 @@
 //! GPU tests of the dense GEMM against the CPU reference (run on the H200 through
 //! `cargo xtask device-pack`; reported as ignored, with a SKIPPED line, without a GPU).
 
+mod common;
+
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{reference, BLayout, Gemm, GemmDesc, GemmError, Operand};
-use moefuse_testkit::{
-    rel_err, to_f32, unwritten, within, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16,
-};
+use moefuse_testkit::{check_close, to_f32, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
 /// Shapes with M, N, K off every tile multiple, tiny and larger ones.
@@ -64,21 +64,12 @@ impl Case {
             .map_err(|e| format!("{what}: {e}"))?;
         let got = to_f32(&stream.clone_dtoh(&d).map_err(|e| e.to_string())?);
         let want = reference::gemm_all(&self.desc, &self.a, &self.b, Some(&self.d0));
-        let (missing, first) = unwritten(&got);
-        if missing > 0 {
-            return Err(format!(
-                "{what} ({}): {missing} outputs never written, first at {first:?}",
-                plan.variant()
-            ));
-        }
-        let err = rel_err(&got, &want);
-        if !within(err, BF16_REL_ERR) {
-            return Err(format!(
-                "{what} ({}): rel err {err:.3e} >= {BF16_REL_ERR:e}",
-                plan.variant()
-            ));
-        }
-        Ok(err)
+        check_close(
+            &got,
+            &want,
+            BF16_REL_ERR,
+            &format!("{what} ({})", plan.variant()),
+        )
     }
 }
 
@@ -95,25 +86,16 @@ fn alloc_workspace(
         .map_err(|e| e.to_string())
 }
 
-/// Names of the compiled variants that can run on `ctx`'s device for `layout`.
-fn variants_for(ctx: &Arc<CudaContext>, layout: BLayout) -> Vec<String> {
-    let (major, _) = ctx.compute_capability().expect("capability");
-    let arch = if major == 9 { "sm90a" } else { "sm100a" };
-    let op = if layout == BLayout::Nk {
-        "gemm_bnk"
-    } else {
-        "gemm_bkn"
-    };
-    moefuse_kernels::compiled()
-        .iter()
-        .map(|v| v.name())
-        .filter(|n| n.starts_with(arch) && n.contains(op))
-        .collect()
-}
-
 fn every_variant_matches_reference(ctx: &Arc<CudaContext>, layout: BLayout) -> Result<(), String> {
     let stream = ctx.default_stream();
-    let variants = variants_for(ctx, layout);
+    let variants = common::variants_for(
+        ctx,
+        if layout == BLayout::Nk {
+            "gemm_bnk"
+        } else {
+            "gemm_bkn"
+        },
+    );
     if variants.is_empty() {
         return Err(format!("no compiled {layout:?} variant for this GPU"));
     }

@@ -4,12 +4,14 @@
 //! row capacity larger than the routed rows. Outputs are poisoned first; every element of
 //! every group is compared, and rows or experts outside the groups must keep their bytes.
 
+mod common;
+
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{
     check_offsets, reference, BLayout, GemmError, GroupedDesc, GroupedGemm, GroupedOp, Operand,
 };
-use moefuse_testkit::{rel_err, within, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
+use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
 /// (name, group sizes, spare rows past the last group, n, k)
@@ -101,20 +103,12 @@ fn check(
         .filter(|(_, &t)| t)
         .map(|((g, w), _)| (g.to_f32(), *w))
         .unzip();
-    if let Some(i) = got.iter().position(|x| x.is_nan()) {
-        return Err(format!(
-            "{what} ({}): touched element #{i} never written (still poison)",
-            plan.variant()
-        ));
-    }
-    let err = rel_err(&got, &want);
-    if !within(err, BF16_REL_ERR) {
-        return Err(format!(
-            "{what} ({}): rel err {err:.3e} >= {BF16_REL_ERR:e}",
-            plan.variant()
-        ));
-    }
-    Ok(err)
+    check_close(
+        &got,
+        &want,
+        BF16_REL_ERR,
+        &format!("{what} ({})", plan.variant()),
+    )
 }
 
 /// Which elements of D the call may write.
@@ -139,16 +133,6 @@ fn touched_mask(desc: &GroupedDesc, ends: &[i32]) -> Vec<bool> {
     mask
 }
 
-fn variants_for(ctx: &Arc<CudaContext>, op: &str) -> Vec<String> {
-    let (major, _) = ctx.compute_capability().expect("capability");
-    let arch = if major == 9 { "sm90a" } else { "sm100a" };
-    moefuse_kernels::compiled()
-        .iter()
-        .map(|v| v.name())
-        .filter(|n| n.starts_with(arch) && n.contains(op))
-        .collect()
-}
-
 fn every_variant(
     ctx: &Arc<CudaContext>,
     op_name: &str,
@@ -156,7 +140,7 @@ fn every_variant(
 ) -> Result<(), String> {
     let stream = ctx.default_stream();
     let gemm = GroupedGemm::new(ctx).map_err(|e| e.to_string())?;
-    let variants = variants_for(ctx, op_name);
+    let variants = common::variants_for(ctx, op_name);
     if variants.is_empty() {
         return Err(format!("no compiled {op_name} variant for this GPU"));
     }

@@ -80,8 +80,9 @@ pub struct MoefuseGroupedGemmArgs {
     pub k: i32,
     /// M-grouped: `MOEFUSE_B_LAYOUT_*` of each W_e.
     pub b_layout: i32,
-    /// Must be 0.
-    pub reserved: i32,
+    /// Tile order: bits 0-1 raster (0 kernel default, 1 along M, 2 along N), bits 8-15
+    /// max swizzle (0/1 none, 2, 4, 8).
+    pub tile_order: i32,
     /// `[num_groups]` prefix-sum row ends, int32, device memory.
     pub offsets: *const i32,
     /// A, `[total_rows, k]` row-major.

@@ -77,10 +77,14 @@ impl Rng {
         const CHUNK: usize = 1 << 20;
         let seeds: Vec<u64> = (0..len.div_ceil(CHUNK)).map(|_| self.next_u64()).collect();
         let mut out = vec![bf16::ZERO; len];
-        out.par_chunks_mut(CHUNK).zip(seeds).for_each(|(chunk, seed)| {
-            let mut rng = Rng::new(seed);
-            chunk.iter_mut().for_each(|x| *x = bf16::from_f32(rng.uniform()));
-        });
+        out.par_chunks_mut(CHUNK)
+            .zip(seeds)
+            .for_each(|(chunk, seed)| {
+                let mut rng = Rng::new(seed);
+                chunk
+                    .iter_mut()
+                    .for_each(|x| *x = bf16::from_f32(rng.uniform()));
+            });
         out
     }
 }
@@ -125,6 +129,28 @@ pub fn within(err: f64, bound: f64) -> bool {
 pub fn unwritten(got: &[f32]) -> (usize, Option<usize>) {
     let first = got.iter().position(|x| x.is_nan());
     (got.iter().filter(|x| x.is_nan()).count(), first)
+}
+
+/// The check every GPU test makes: no element still poison (NaN), then the relative error
+/// below `bound`. The error message starts with `what` and names the first unwritten index.
+///
+/// ```
+/// let e = moefuse_testkit::check_close(&[1.0, 2.0], &[1.0, 2.0], 1e-2, "case").unwrap();
+/// assert_eq!(e, 0.0);
+/// assert!(moefuse_testkit::check_close(&[f32::NAN, 2.0], &[1.0, 2.0], 1e-2, "case").is_err());
+/// ```
+pub fn check_close(got: &[f32], want: &[f32], bound: f64, what: &str) -> Result<f64, String> {
+    let (missing, first) = unwritten(got);
+    if missing > 0 {
+        return Err(format!(
+            "{what}: {missing} outputs never written (still poison), first at {first:?}"
+        ));
+    }
+    let err = rel_err(got, want);
+    if !within(err, bound) {
+        return Err(format!("{what}: rel err {err:.3e} >= {bound:e}"));
+    }
+    Ok(err)
 }
 
 /// bf16 to f32, element-wise.

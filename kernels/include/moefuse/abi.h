@@ -90,8 +90,9 @@ typedef struct moefuse_grouped_gemm_args {
   int32_t total_rows;
   int32_t n;
   int32_t k;
-  int32_t b_layout; /* M-grouped: moefuse_b_layout of W_e; K-grouped: ignored */
-  int32_t reserved; /* 0 */
+  int32_t b_layout;   /* M-grouped: moefuse_b_layout of W_e; K-grouped: ignored */
+  int32_t tile_order; /* bits 0-1: raster (0 kernel default, 1 along M, 2 along N);
+                         bits 8-15: max swizzle (0 or 1: none; 2, 4, 8) */
   const int32_t* offsets;
   const void* a;
   const void* b;

@@ -12,11 +12,28 @@
 
 #include "cute/tensor.hpp"
 #include "moefuse/abi.h"
+#include "moefuse/common/layout.hpp"
 #include "moefuse/common/stride.hpp"
 
 namespace moefuse {
 
 enum class GroupedKind { kMGrouped, kKGrouped };
+
+// Operand layouts of a grouped problem.
+//   M-grouped: A rows of the group [m_e, k] row-major; B = W_e per the weights' layout.
+//   K-grouped: A = X_e^T, column-major (its rows are X's columns); B = the group's rows of
+//              the second activation, [m_e, n] row-major, i.e. a K x N row-major operand.
+template <GroupedKind Kind, moefuse_b_layout BL>
+struct GroupedLayouts {
+  using A = cutlass::layout::RowMajor;
+  using B = typename BLayout<BL>::Cutlass;
+};
+
+template <moefuse_b_layout BL>
+struct GroupedLayouts<GroupedKind::kKGrouped, BL> {
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
 
 // Rows [start, end) of group e, with ends clamped to total_rows and a decreasing end read
 // as an empty group: whatever the offsets hold, no group leaves the buffers.
@@ -125,12 +142,16 @@ __global__ void prepare_groups(moefuse_grouped_gemm_args p, GroupedArrays<Kernel
 }
 
 // Zeroes D_e of every empty group of a K-grouped problem (beta == 0): grid (chunks, groups),
-// 16-byte stores; k*n*2 bytes per group is a multiple of 16 because n % 8 == 0.
+// 16-byte stores; k*n*sizeof(Element) bytes per group is a multiple of 16 because n % 8 == 0.
+// NOTES: a template so that every instance file may define it (a plain __global__ in a
+// header is one symbol per translation unit and collides at link time).
+template <class Element>
 __global__ void zero_empty_groups(moefuse_grouped_gemm_args p) {
   const int e = blockIdx.y;
   if (group_rows(p.offsets, e, p.total_rows).rows() != 0) return;
-  const int64_t vecs = int64_t(p.k) * p.n * 2 / 16;
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(p.d) + int64_t(e) * p.k * p.n * 2);
+  const int64_t bytes = int64_t(p.k) * p.n * int64_t(sizeof(Element));
+  const int64_t vecs = bytes / 16;
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(p.d) + int64_t(e) * bytes);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x) {
     dst[i] = make_uint4(0, 0, 0, 0);
   }

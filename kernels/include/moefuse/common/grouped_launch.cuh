@@ -26,6 +26,11 @@ struct GroupedLauncher {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: b_layout %d, variant is compiled for %d", name,
                   p->b_layout, int(Config::kBLayout));
     }
+    const int swizzle = (p->tile_order >> 8) & 0xff;
+    if ((p->tile_order & 3) == 3 || (p->tile_order & ~0xff03) != 0 || (swizzle & (swizzle - 1)) != 0 || swizzle > 8) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: raster 0-2, swizzle 1, 2, 4 or 8", name,
+                  p->tile_order);
+    }
     if (p->num_groups < 0 || p->total_rows < 0 || p->n <= 0 || p->k <= 0) {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: groups=%d rows=%d n=%d k=%d", name, p->num_groups,
                   p->total_rows, p->n, p->k);
@@ -54,6 +59,12 @@ struct GroupedLauncher {
         {fusion, p.beta != 0.f ? arr.c : nullptr, arr.stride_c, arr.d, arr.stride_d}};
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sms;
+    using Raster = decltype(args.scheduler.raster_order);
+    const int raster = p.tile_order & 3;
+    if (raster == 1) args.scheduler.raster_order = Raster::AlongM;
+    if (raster == 2) args.scheduler.raster_order = Raster::AlongN;
+    const int swizzle = (p.tile_order >> 8) & 0xff;
+    if (swizzle > 1) args.scheduler.max_swizzle_size = swizzle;
     return args;
   }
 
@@ -88,7 +99,7 @@ struct GroupedLauncher {
     st = from_cuda(cudaGetLastError(), "prepare_groups");
     if (st != MOEFUSE_STATUS_OK) return st;
     if (Config::kKind == GroupedKind::kKGrouped && p->beta == 0.f) {
-      zero_empty_groups<<<dim3(16, p->num_groups), threads, 0, stream>>>(*p);
+      zero_empty_groups<typename Arrays::ED><<<dim3(16, p->num_groups), threads, 0, stream>>>(*p);
       st = from_cuda(cudaGetLastError(), "zero_empty_groups");
       if (st != MOEFUSE_STATUS_OK) return st;
     }

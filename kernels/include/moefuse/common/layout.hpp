@@ -3,7 +3,6 @@
 
 #include "cutlass/layout/matrix.h"
 #include "moefuse/abi.h"
-#include "moefuse/common/group_layout.cuh"
 
 namespace moefuse {
 
@@ -20,22 +19,6 @@ struct BLayout<MOEFUSE_B_LAYOUT_NK> {
 template <>
 struct BLayout<MOEFUSE_B_LAYOUT_KN> {
   using Cutlass = cutlass::layout::RowMajor;
-};
-
-// Operand layouts of a grouped problem.
-//   M-grouped: A rows of the group [m_e, k] row-major; B = W_e per the weights' layout.
-//   K-grouped: A = X_e^T, column-major (its rows are X's columns); B = the group's rows of
-//              the second activation, [m_e, n] row-major, i.e. a K x N row-major operand.
-template <GroupedKind Kind, moefuse_b_layout BL>
-struct GroupedLayouts {
-  using A = cutlass::layout::RowMajor;
-  using B = typename BLayout<BL>::Cutlass;
-};
-
-template <moefuse_b_layout BL>
-struct GroupedLayouts<GroupedKind::kKGrouped, BL> {
-  using A = cutlass::layout::ColumnMajor;
-  using B = cutlass::layout::RowMajor;
 };
 
 }  // namespace moefuse
