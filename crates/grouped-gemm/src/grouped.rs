@@ -551,7 +551,10 @@ mod tests {
         let o = |raster, swizzle| TileOrder { raster, swizzle }.encode();
         assert_eq!(o(Raster::Default, 0).unwrap(), 0);
         assert_eq!(o(Raster::AlongN, 4).unwrap(), 2 | (4 << 8));
-        assert!(matches!(o(Raster::AlongM, 3), Err(GemmError::InvalidTileOrder { swizzle: 3 })));
+        assert!(matches!(
+            o(Raster::AlongM, 3),
+            Err(GemmError::InvalidTileOrder { swizzle: 3 })
+        ));
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! Safe bf16 GEMMs for Mixture-of-Experts layers on Hopper (sm_90a) and Blackwell
 //! (sm_100a), on cudarc streams and device buffers. Usable on its own.
 //!
-//! 1. Make a [`Gemm`] for a context: it checks the GPU against the compiled kernels.
-//! 2. Describe the problem with a [`GemmDesc`] and [`Gemm::plan`] it: validation and the
-//!    variant heuristic run on the host, with no allocation and no launch.
-//! 3. Allocate [`GemmPlan::workspace_bytes`] of workspace (0 today) and [`Gemm::run`] on
-//!    a stream; outputs and workspace are the caller's, so runs capture into CUDA graphs.
-//! 4. [`reference`] computes the same problem on the CPU, for tests.
+//! 1. Make a [`Gemm`] (dense) or [`GroupedGemm`] (MoE experts) for a context: it checks the
+//!    GPU against the compiled kernels.
+//! 2. Describe the problem with a [`GemmDesc`] or [`GroupedDesc`] (`forward`, `dgrad`,
+//!    `wgrad`) and `plan` it: validation and the variant heuristic run on the host, with no
+//!    allocation and no launch.
+//! 3. Allocate the plan's `workspace_bytes()` and `run` on a stream; outputs and workspace
+//!    are the caller's and grouped sizes come from device offsets, so runs need no host
+//!    synchronisation and capture into CUDA graphs.
+//! 4. [`mod@reference`] computes the same problems on the CPU, for tests.
 //!
 //! **Memory layout.** Row-major throughout: A `[m, k]`, B `[n, k]` ([`BLayout::Nk`], as
 //! `nn.Linear` stores weights) or `[k, n]` ([`BLayout::Kn`]), D `[m, n]`; bf16 operands,

@@ -253,6 +253,7 @@ fn main() {
                 )),
             }
         })
+        .test("grouped_graph_replays_with_new_routing", graph_replay)
         .test("grouped_out_of_range_offsets_stay_in_bounds", |ctx| {
             // Ends beyond `rows` must be clamped by the kernels: the result equals the
             // reference's clamped reading, and nothing outside the groups changes.
@@ -271,4 +272,85 @@ fn main() {
             .map(|_| ())
         })
         .run()
+}
+
+/// Captures one grouped forward into a CUDA graph, then replays it after writing new
+/// routings into the same offsets buffer: each replay must equal the reference for its
+/// routing and the eager run bit for bit.
+fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    // SAFETY: every buffer below lives on the one capture stream, so cudarc need not order
+    // uses across streams (and event records must not enter the captured graph).
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().map_err(e)?;
+    let gemm = GroupedGemm::new(ctx).map_err(|x| x.to_string())?;
+    let (groups, rows, n, k) = (8, 2048, 256, 512);
+    let desc = GroupedDesc::forward(groups, rows, n, k, BLayout::Nk);
+    let plan = gemm.plan(&desc).map_err(|x| x.to_string())?;
+    let seed = Rng::fresh_seed();
+    let mut rng = Rng::new(seed);
+    let (a, b) = (rng.bf16_vec(rows * k), rng.bf16_vec(groups * n * k));
+    let (a_d, b_d) = (
+        stream.clone_htod(&a).map_err(e)?,
+        stream.clone_htod(&b).map_err(e)?,
+    );
+    let mut off = stream.alloc_zeros::<i32>(groups).map_err(e)?;
+    let mut d = stream.alloc_zeros::<bf16>(rows * n).map_err(e)?;
+    let mut ws = stream
+        .alloc_zeros::<u8>(plan.workspace_bytes())
+        .map_err(e)?;
+    let poison = vec![POISON_BF16; rows * n];
+    let routings: [Vec<usize>; 3] = [
+        vec![256; 8],
+        vec![0, 700, 1, 0, 300, 0, 999, 48],
+        vec![0, 0, 0, 2048, 0, 0, 0, 0],
+    ];
+
+    // Eager run of the first routing, then capture the same call.
+    stream
+        .memcpy_htod(&ends_of(&routings[0]), &mut off)
+        .map_err(e)?;
+    gemm.run(&plan, &stream, &off, &a_d, &b_d, &mut d, &mut ws)
+        .map_err(|x| x.to_string())?;
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e)?;
+    let captured = gemm.run(&plan, &stream, &off, &a_d, &b_d, &mut d, &mut ws);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+    captured.map_err(|x| format!("run under capture: {x}"))?;
+    let graph = graph.ok_or("capture produced no graph")?;
+
+    for sizes in &routings {
+        let ends = ends_of(sizes);
+        stream.memcpy_htod(&ends, &mut off).map_err(e)?;
+        stream.memcpy_htod(&poison, &mut d).map_err(e)?;
+        gemm.run(&plan, &stream, &off, &a_d, &b_d, &mut d, &mut ws)
+            .map_err(|x| x.to_string())?;
+        let eager = stream.clone_dtoh(&d).map_err(e)?;
+        stream.memcpy_htod(&poison, &mut d).map_err(e)?;
+        graph.launch().map_err(e)?;
+        let replay = stream.clone_dtoh(&d).map_err(e)?;
+        let what = format!("graph replay, sizes {sizes:?}, seed {seed}");
+        if let Some(i) = eager
+            .iter()
+            .zip(&replay)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+        {
+            return Err(format!(
+                "{what}: replay differs from the eager run at element {i}"
+            ));
+        }
+        let want = reference::grouped(&desc, &ends, &a, &b, &poison);
+        let live = ends.last().copied().unwrap_or(0) as usize * n;
+        let got: Vec<f32> = replay[..live].iter().map(|x| x.to_f32()).collect();
+        check_close(&got, &want[..live], BF16_REL_ERR, &what)?;
+        if replay[live..]
+            .iter()
+            .any(|x| x.to_bits() != POISON_BF16.to_bits())
+        {
+            return Err(format!("{what}: rows past the last group were written"));
+        }
+    }
+    Ok(())
 }
