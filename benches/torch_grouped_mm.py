@@ -38,7 +38,6 @@ def main():
     gpu = torch.cuda.get_device_name(dev)
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     gen = torch.Generator(device=dev).manual_seed(int.from_bytes(os.urandom(4), "little"))
-    rows_out = []
     for c in cases:
         sizes = c["sizes"]; n, k, e = c["n"], c["k"], len(c["sizes"])
         m = sum(sizes)
@@ -89,16 +88,15 @@ def main():
         med, iqr = quartiles(times)
         tflops = 2.0 * m * n * k / med / 1e6
         print(f"{c['name']:<48} torch_grouped_mm {med:9.1f} us [IQR {iqr:6.1f}] {tflops:6.1f} TFLOP/s  rel err {err:.2e}", flush=True)
-        rows_out.append(dict(suite="grouped_gemm", case=c["name"], backend="torch_grouped_mm", gpu=gpu,
+        record = (dict(suite="grouped_gemm", case=c["name"], backend="torch_grouped_mm", gpu=gpu,
                              median_us=med, iqr_us=iqr, tflops=tflops, rel_err=err,
                              date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
                              commit=os.environ.get("MOEFUSE_COMMIT", "unknown")))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "grouped_gemm.jsonl"), "a") as f:  # per case
+            f.write(json.dumps(record) + "\n")
         del inputs, out, w
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "grouped_gemm.jsonl"), "a") as f:
-        for r in rows_out:
-            f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

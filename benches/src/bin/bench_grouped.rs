@@ -69,6 +69,7 @@ fn main() -> Result<(), Error> {
     let gemm = GroupedGemm::new(&ctx)?;
     let blas = CudaBlas::new(stream.clone())?;
     let bar = ProgressBar::new(all.len() as u64);
+    let suite = if args.sweep { "grouped_gemm_sweep" } else { "grouped_gemm" };
     let mut records = Vec::new();
     for case in &all {
         bar.set_message(case.name.clone());
@@ -90,7 +91,7 @@ fn main() -> Result<(), Error> {
         if args.sweep {
             let verified = stream.clone_dtoh(&d)?;
             let inputs = (&offsets, &a[..], &b[..]);
-            records.extend(sweep(
+            let rows = sweep(
                 &gemm,
                 &stream,
                 case,
@@ -101,6 +102,8 @@ fn main() -> Result<(), Error> {
                 &gpu,
                 args.samples,
             )?);
+            append(&args.out, suite, &records)?; // per case: a timeout keeps what is done
+            records.clear();
             bar.inc(1);
             continue;
         }
@@ -161,18 +164,11 @@ fn main() -> Result<(), Error> {
                 commit: commit(),
             });
         }
+        append(&args.out, suite, &records)?;
+        records.clear();
         bar.inc(1);
     }
     bar.finish_and_clear();
-    append(
-        &args.out,
-        if args.sweep {
-            "grouped_gemm_sweep"
-        } else {
-            "grouped_gemm"
-        },
-        &records,
-    )?;
     Ok(())
 }
 
