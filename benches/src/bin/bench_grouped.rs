@@ -69,7 +69,11 @@ fn main() -> Result<(), Error> {
     let gemm = GroupedGemm::new(&ctx)?;
     let blas = CudaBlas::new(stream.clone())?;
     let bar = ProgressBar::new(all.len() as u64);
-    let suite = if args.sweep { "grouped_gemm_sweep" } else { "grouped_gemm" };
+    let suite = if args.sweep {
+        "grouped_gemm_sweep"
+    } else {
+        "grouped_gemm"
+    };
     let mut records = Vec::new();
     for case in &all {
         bar.set_message(case.name.clone());
@@ -101,9 +105,8 @@ fn main() -> Result<(), Error> {
                 err,
                 &gpu,
                 args.samples,
-            )?);
-            append(&args.out, suite, &records)?; // per case: a timeout keeps what is done
-            records.clear();
+            )?;
+            append(&args.out, suite, &rows)?; // per case: a timeout keeps what is done
             bar.inc(1);
             continue;
         }
