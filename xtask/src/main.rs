@@ -6,12 +6,14 @@
 //! | `gen-variants [--check]` | writes `kernels/instances/*/*.cu` from the variant table |
 //! | `build-kernels --sm 90a,100a` | compiles the kernels (parallel, cached, progress bars) |
 //! | `inspect` | checks the built objects hold sm_90a/sm_100a SASS with HGMMA/UTCHMMA |
-//! | `test` | setup, build-kernels, gen-variants --check, inspect, `cargo test --workspace` |
+//! | `test` | setup, gen-variants --check, bindgen --check, build-kernels, inspect, `cargo test --workspace` |
 //! | `demo` | setup, build, run the GEMM demo (GPU if present, CPU reference otherwise) |
 //! | `device-pack` | builds GPU test and bench binaries into `.device-pack/` for the H200 |
 //! | `bench-report` | renders `docs/benchmarks.md` tables from `benches/results/*.jsonl` |
+//! | `bindgen [--check] [--install]` | regenerates the NVSHMEM host bindings of `nvshmem-sys` |
 
 mod bench_report;
+mod bindgen;
 mod build;
 mod device_pack;
 mod setup;
@@ -78,6 +80,15 @@ enum Task {
     },
     /// Render docs/benchmarks.md from benches/results/*.jsonl.
     BenchReport,
+    /// Regenerate crates/nvshmem-sys/src/bindings.rs from the pinned NVSHMEM headers.
+    Bindgen {
+        /// Fail if the checked-in file differs (SKIPPED without a bindgen CLI).
+        #[arg(long)]
+        check: bool,
+        /// Install libclang-dev and bindgen-cli first.
+        #[arg(long)]
+        install: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -91,6 +102,7 @@ fn main() -> ExitCode {
         Task::Demo { args } => demo(&args),
         Task::DevicePack { sm } => device_pack::run(&sm),
         Task::BenchReport => bench_report::run(),
+        Task::Bindgen { check, install } => bindgen::run(check, install),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -133,6 +145,7 @@ fn cargo() -> Command {
 fn test(args: &[String]) -> Result<()> {
     setup::run(false)?;
     variants::run(true)?;
+    bindgen::run(true, false)?;
     build::build_kernels("90a,100a", None)?;
     build::inspect("90a,100a")?;
     run_cmd(

@@ -1,0 +1,192 @@
+//! `cargo xtask bindgen [--check] [--install]`: regenerates `crates/nvshmem-sys/src/bindings.rs`
+//! from the pinned NVSHMEM headers with the bindgen CLI. `--install` first installs what
+//! bindgen needs (Debian's libclang-dev, `cargo install bindgen-cli`); without bindgen,
+//! `--check` prints SKIPPED and succeeds, so CI machines without libclang pass.
+
+use crate::{root, run_cmd, setup, Result};
+use moefuse_kernel_build::{toolchain_dir, PINS};
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The host API moefuse binds; everything else stays out of the generated file.
+const FUNCTIONS: &[&str] = &[
+    "nvshmemx_hostlib_init_attr",
+    "nvshmemx_hostlib_finalize",
+    "nvshmemx_init_status",
+    "nvshmemx_get_uniqueid",
+    "nvshmemx_set_attr_uniqueid_args",
+    "nvshmemx_vendor_get_version_info",
+    "nvshmem_info_get_version",
+    "nvshmem_my_pe",
+    "nvshmem_n_pes",
+    "nvshmem_malloc",
+    "nvshmem_calloc",
+    "nvshmem_align",
+    "nvshmem_free",
+    "nvshmem_ptr",
+    "nvshmem_barrier_all",
+    "nvshmemx_barrier_all_on_stream",
+    "nvshmem_sync_all",
+    "nvshmemx_sync_all_on_stream",
+    "nvshmem_quiet",
+    "nvshmemx_quiet_on_stream",
+    "nvshmem_team_my_pe",
+    "nvshmem_team_n_pes",
+    "nvshmem_team_split_strided",
+    "nvshmem_team_destroy",
+    "nvshmem_team_translate_pe",
+    "nvshmem_team_sync",
+    "nvshmemx_team_sync_on_stream",
+    "nvshmem_barrier",
+    "nvshmemx_barrier_on_stream",
+    "nvshmemx_putmem_on_stream",
+    "nvshmemx_getmem_on_stream",
+    "nvshmemx_putmem_signal_on_stream",
+    "nvshmemx_signal_op_on_stream",
+    "nvshmemx_signal_wait_until_on_stream",
+    "nvshmemx_cumodule_init",
+    "nvshmemx_cumodule_finalize",
+];
+const TYPES: &[&str] = &[
+    "nvshmemx_init_attr_t",
+    "nvshmemx_uniqueid_t",
+    "nvshmem_team_t",
+    "nvshmem_team_config_t",
+];
+const VARS: &[&str] = &[
+    "NVSHMEMX_INIT_.*",
+    "NVSHMEM_TEAM_.*",
+    "NVSHMEM_SIGNAL_.*",
+    "NVSHMEM_CMP_.*",
+    "NVSHMEM_VENDOR_.*",
+];
+/// Blocklisted: CUDA's stream and module handles, which the bindings take as opaque
+/// pointers (declared by the raw line below) instead of pulling in all of cuda.h.
+const BLOCKED: &[&str] = &[
+    "CUstream_st",
+    "CUmod_st",
+    "cudaStream_t",
+    "CUstream",
+    "CUmodule",
+];
+const RAW: &str = "pub type cudaStream_t = *mut ::std::os::raw::c_void;\npub type CUmodule = *mut ::std::os::raw::c_void;";
+
+fn bindgen() -> Option<PathBuf> {
+    let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin/bindgen"));
+    let on_path = Command::new("bindgen")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| PathBuf::from("bindgen"));
+    on_path.or(home.filter(|p| p.exists()))
+}
+
+/// Generates (or with `check`, compares) the bindings.
+pub fn run(check: bool, install: bool) -> Result<()> {
+    if install {
+        run_cmd(Command::new("apt-get").args(["install", "-y", "-q", "libclang-dev"]))?;
+        run_cmd(
+            Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args([
+                "install",
+                "bindgen-cli",
+                "--locked",
+            ]),
+        )?;
+    }
+    let Some(bindgen) = bindgen() else {
+        if check {
+            println!("SKIPPED bindgen --check: no bindgen CLI (cargo xtask bindgen --install)");
+            return Ok(());
+        }
+        return Err("no bindgen CLI: run `cargo xtask bindgen --install`".into());
+    };
+    setup::run(false)?;
+    let tc = toolchain_dir();
+    let nvshmem = tc.join("ext/nvidia/nvshmem/include");
+    let cuda = tc.join("cuda/nvidia/cu13/include");
+    let version = Command::new(&bindgen)
+        .arg("--version")
+        .output()
+        .map_err(|e| e.to_string())?;
+    let version = String::from_utf8_lossy(&version.stdout).trim().to_string();
+    let mut cmd = Command::new(&bindgen);
+    cmd.arg(root().join("crates/nvshmem-sys/wrapper.h"));
+    for f in FUNCTIONS {
+        cmd.args(["--allowlist-function", f]);
+    }
+    for t in TYPES {
+        cmd.args(["--allowlist-type", t]);
+    }
+    for v in VARS {
+        cmd.args(["--allowlist-var", v]);
+    }
+    for b in BLOCKED {
+        cmd.args(["--blocklist-type", b]);
+    }
+    cmd.args([
+        "--raw-line",
+        RAW,
+        "--dynamic-loading",
+        "NvshmemHost",
+        "--",
+        "-x",
+        "c++",
+        "-std=c++17",
+    ]);
+    cmd.arg(format!("-I{}", nvshmem.display()))
+        .arg(format!("-I{}", cuda.display()))
+        .arg(format!("-I{}/cccl", cuda.display()));
+    let out = cmd
+        .output()
+        .map_err(|e| format!("{}: {e}", bindgen.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "bindgen failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let header = format!(
+        "// generated by `cargo xtask bindgen` ({version}) from NVSHMEM 3.4.5 headers\n\
+         // (wheel {}); regenerate with `cargo xtask bindgen [--install]`; do not edit.\n",
+        PINS.ext
+            .iter()
+            .find(|p| p.contains("nvshmem"))
+            .unwrap_or(&"nvidia-nvshmem-cu13")
+    );
+    let text = header + &String::from_utf8_lossy(&out.stdout);
+    let text = rustfmt(&text)?;
+    let path = root().join("crates/nvshmem-sys/src/bindings.rs");
+    if check {
+        let current = std::fs::read_to_string(&path).unwrap_or_default();
+        if current != text {
+            return Err(format!(
+                "{} is stale: run `cargo xtask bindgen`",
+                path.display()
+            ));
+        }
+        println!("bindgen --check: {} is current", path.display());
+        return Ok(());
+    }
+    std::fs::write(&path, text).map_err(|e| e.to_string())?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+fn rustfmt(text: &str) -> Result<String> {
+    use std::io::Write;
+    let mut child = Command::new("rustfmt")
+        .args(["--edition", "2021", "--emit", "stdout"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(text.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
