@@ -1,0 +1,82 @@
+//! Expert-parallel communication for moefuse.
+//!
+//! This first part is the host-side model of dispatch and combine, the contract the
+//! device kernels implement and the CPU reference their tests compare against:
+//!
+//! 1. [`Placement`] says which rank owns which expert (contiguous blocks of `E / ranks`).
+//! 2. [`SendPlan::build`] turns one rank's `topk_ids` into what it sends: each routed token
+//!    once per destination rank (not once per expert), with the local experts it feeds there.
+//! 3. [`ReceiveLayout::build`] turns every rank's send plan into one rank's expert-major
+//!    receive buffer: rows grouped by local expert, stable in (source rank, token) order,
+//!    with prefix-sum offsets ready for the grouped GEMM.
+//! 4. [`combine`] reduces expert outputs back to each source token with fp32 routing weights.
+//! 5. [`Capacity`] sizes every buffer once from a token capacity and rejects larger requests.
+//!
+//! ```
+//! use moefuse_comm::{Placement, SendPlan, ReceiveLayout};
+//! let place = Placement::new(8, 2)?;               // 8 experts over 2 ranks
+//! let ids = [0, 5, 1, 2];                           // 2 tokens, top-2
+//! let plans = [SendPlan::build(&place, 0, &ids, 2)?, SendPlan::build(&place, 1, &ids, 2)?];
+//! let recv = ReceiveLayout::build(&place, 1, &plans)?;
+//! assert_eq!(recv.offsets, vec![0, 2, 2, 2]);      // local expert 5-4=1 gets 2 rows
+//! # Ok::<(), moefuse_comm::CommError>(())
+//! ```
+
+mod plan;
+
+pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
+
+/// Everything the communication layer rejects, with the offending values.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommError {
+    /// Experts do not divide evenly over ranks, or a count is zero.
+    #[error("cannot place {experts} experts on {ranks} ranks: experts must be a positive multiple of ranks")]
+    Placement {
+        /// Experts.
+        experts: usize,
+        /// Ranks.
+        ranks: usize,
+    },
+    /// A rank index outside the world.
+    #[error("rank {rank} outside a world of {ranks}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// World size.
+        ranks: usize,
+    },
+    /// A routed expert id outside `0..experts`.
+    #[error("token {token} slot {slot}: expert id {id} outside 0..{experts}")]
+    ExpertId {
+        /// Token.
+        token: usize,
+        /// Top-k slot.
+        slot: usize,
+        /// The id.
+        id: i64,
+        /// Experts.
+        experts: usize,
+    },
+    /// `topk_ids` is not `tokens × top_k` long, or top_k is 0.
+    #[error("topk_ids has {len} entries, not a multiple of top_k = {top_k}")]
+    Shape {
+        /// Entries.
+        len: usize,
+        /// Top-k.
+        top_k: usize,
+    },
+    /// A request beyond the capacity the buffers were sized for.
+    #[error("{what}: {needed} exceeds the capacity {capacity} (sized from max_tokens={max_tokens}, top_k={top_k})")]
+    Capacity {
+        /// Which buffer.
+        what: &'static str,
+        /// Requested.
+        needed: usize,
+        /// Available.
+        capacity: usize,
+        /// The sizing inputs.
+        max_tokens: usize,
+        /// The sizing inputs.
+        top_k: usize,
+    },
+}
