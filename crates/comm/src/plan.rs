@@ -446,11 +446,11 @@ mod tests {
             })
             .collect();
         let outs: Vec<&[f32]> = outputs.iter().map(|v| v.as_slice()).collect();
-        for s in 0..ranks {
+        for (s, plan) in plans.iter().enumerate() {
             let weights: Vec<f32> = (0..50 * top_k)
                 .map(|i| 0.1 + (i % 7) as f32 / 10.0)
                 .collect();
-            let got = combine(&plans[s], &weights, &layouts, &outs, hidden);
+            let got = combine(plan, &weights, &layouts, &outs, hidden);
             for t in 0..50 {
                 for h in 0..hidden {
                     let want: f32 = (0..top_k)
