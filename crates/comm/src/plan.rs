@@ -402,11 +402,9 @@ mod tests {
                 let mut staged = layout.staging.clone();
                 staged.dedup();
                 assert_eq!(staged.len(), layout.staging.len());
-                for s in 0..ranks {
-                    assert_eq!(
-                        layout.staging.iter().filter(|x| x.0 == s).count(),
-                        plans[s].sent_to(d)
-                    );
+                for (s, plan) in plans.iter().enumerate() {
+                    let staged_from_s = layout.staging.iter().filter(|x| x.0 == s).count();
+                    assert_eq!(staged_from_s, plan.sent_to(d));
                 }
             }
             assert_eq!(
