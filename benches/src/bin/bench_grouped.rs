@@ -30,9 +30,12 @@ struct Args {
     /// Print the cases as JSON and exit (for the PyTorch baseline).
     #[arg(long)]
     list_cases: bool,
-    /// Only cases whose name contains this.
+    /// Only cases whose name contains this (a comma list: any of them).
     #[arg(long, default_value = "")]
     filter: String,
+    /// Match `--filter` entries exactly instead of as substrings.
+    #[arg(long)]
+    exact: bool,
     /// Timed samples per backend.
     #[arg(long, default_value_t = 20)]
     samples: usize,
@@ -53,9 +56,18 @@ struct Problem {
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
+    let wanted: Vec<&str> = args.filter.split(',').collect();
     let all: Vec<Case> = cases::all()
         .into_iter()
-        .filter(|c| c.name.contains(&args.filter))
+        .filter(|c| {
+            wanted.iter().any(|w| {
+                if args.exact {
+                    c.name == *w
+                } else {
+                    c.name.contains(w)
+                }
+            })
+        })
         .collect();
     if args.list_cases {
         println!("{}", serde_json::to_string(&all)?);

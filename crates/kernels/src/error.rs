@@ -54,6 +54,14 @@ pub enum KernelError {
         /// `moefuse_last_error()` right after the call.
         message: String,
     },
+    /// A workspace query refused the problem (the message says why).
+    #[error("workspace query of {variant} refused the problem: {message}")]
+    WorkspaceQuery {
+        /// The variant's name.
+        variant: String,
+        /// `moefuse_last_error()` right after the query.
+        message: String,
+    },
     /// A variant was called through the entry of another operation kind.
     #[error("variant {variant} is not a {expected} GEMM")]
     WrongEntry {

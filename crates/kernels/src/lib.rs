@@ -130,8 +130,18 @@ pub fn grouped_workspace_bytes(
     args: &MoefuseGroupedGemmArgs,
 ) -> Result<usize, KernelError> {
     match variant.entry {
-        // SAFETY: as for gemm_workspace_bytes: sizes and device attributes only.
-        Entry::Grouped { workspace, .. } => Ok(unsafe { workspace(args) }),
+        Entry::Grouped { workspace, .. } => {
+            // SAFETY: as for gemm_workspace_bytes: sizes and device attributes only.
+            let bytes = unsafe { workspace(args) };
+            // Any grouped problem needs its per-group arrays: 0 means the query refused.
+            if bytes == 0 && args.num_groups > 0 {
+                return Err(KernelError::WorkspaceQuery {
+                    variant: variant.name(),
+                    message: last_error(),
+                });
+            }
+            Ok(bytes)
+        }
         Entry::Gemm { .. } => Err(KernelError::WrongEntry {
             variant: variant.name(),
             expected: "grouped",

@@ -20,6 +20,7 @@ struct GroupedLauncher {
   using Arrays = GroupedArrays<Kernel>;
   static constexpr size_t kAlign = Arrays::kAlign;
 
+  // Sizes, layout and tile order: all the workspace query needs.
   static moefuse_status check(const moefuse_grouped_gemm_args* p, const char* name) {
     if (p == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
     if (Config::kKind == GroupedKind::kMGrouped && p->b_layout != Config::kBLayout) {
@@ -39,7 +40,12 @@ struct GroupedLauncher {
       return fail(MOEFUSE_STATUS_MISALIGNED, "%s: n=%d and k=%d must be multiples of 8 (16-byte rows)", name,
                   p->n, p->k);
     }
-    if (p->num_groups > 0 && (p->offsets == nullptr || p->a == nullptr || p->b == nullptr || p->d == nullptr)) {
+    return MOEFUSE_STATUS_OK;
+  }
+
+  // The operands, checked by run only (the workspace query takes a problem without them).
+  static moefuse_status check_pointers(const moefuse_grouped_gemm_args* p, const char* name) {
+    if (p->offsets == nullptr || p->a == nullptr || p->b == nullptr || p->d == nullptr) {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null pointer (offsets=%p a=%p b=%p d=%p)", name,
                   (const void*)p->offsets, p->a, p->b, p->d);
     }
@@ -84,6 +90,8 @@ struct GroupedLauncher {
                             const char* name) {
     moefuse_status st = check(p, name);
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0) return st;
+    st = check_pointers(p, name);
+    if (st != MOEFUSE_STATUS_OK) return st;
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;
