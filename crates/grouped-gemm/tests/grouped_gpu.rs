@@ -171,10 +171,11 @@ fn main() {
             })
         })
         .test("grouped_dgrad_both_weight_layouts", |ctx| {
-            every_variant(ctx, "grouped_fwd", |g, r, n, k| {
+            // dgrad reads W_e transposed: weights stored [n, k] run the [k, n] kernels.
+            every_variant(ctx, "grouped_fwd_bkn", |g, r, n, k| {
                 GroupedDesc::dgrad(g, r, k, n, BLayout::Nk)
             })?;
-            every_variant(ctx, "grouped_fwd", |g, r, n, k| {
+            every_variant(ctx, "grouped_fwd_bnk", |g, r, n, k| {
                 GroupedDesc::dgrad(g, r, k, n, BLayout::Kn)
             })
         })
