@@ -52,6 +52,7 @@ const TYPES: &[&str] = &[
     "nvshmemx_uniqueid_t",
     "nvshmem_team_t",
     "nvshmem_team_config_t",
+    "flags",
 ];
 const VARS: &[&str] = &[
     "NVSHMEMX_INIT_.*",

@@ -12,6 +12,10 @@
 //! 4. [`combine`] reduces expert outputs back to each source token with fp32 routing weights.
 //! 5. [`Capacity`] sizes every buffer once from a token capacity and rejects larger requests.
 //!
+//! The runtime side ([`Library`], [`UniqueId`], [`Runtime`], [`SymmetricBuffer`]) wraps
+//! NVSHMEM through `nvshmem-sys`: bootstrap by unique id, symmetric allocation with
+//! lifetimes tied to the runtime, peer pointers, stream-ordered barriers.
+//!
 //! ```
 //! use moefuse_comm::{Placement, SendPlan, ReceiveLayout};
 //! let place = Placement::new(8, 2)?;               // 8 experts over 2 ranks
@@ -23,8 +27,11 @@
 //! ```
 
 mod plan;
+mod raw;
+mod runtime;
 
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
+pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
 
 /// Everything the communication layer rejects, with the offending values.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -65,6 +72,48 @@ pub enum CommError {
         /// Top-k.
         top_k: usize,
     },
+    /// The NVSHMEM host library could not be loaded (the message lists where it looked).
+    #[error("{0}")]
+    Library(String),
+    /// The loaded library is not the version the bindings describe.
+    #[error("NVSHMEM host library {found} differs from the bound {bound}; device code built against one cannot run on the other")]
+    Version {
+        /// Loaded.
+        found: String,
+        /// Bound.
+        bound: String,
+    },
+    /// An NVSHMEM call returned an error status.
+    #[error("{call} returned {status}")]
+    Nvshmem {
+        /// The call.
+        call: &'static str,
+        /// Its status.
+        status: i32,
+    },
+    /// `Runtime::init` was called while a runtime is alive in this process.
+    #[error("NVSHMEM is already initialised in this process")]
+    AlreadyInitialised,
+    /// NVSHMEM came up with another rank or size than asked for.
+    #[error("NVSHMEM reports rank/size {found:?}, expected {expected:?}")]
+    RankMismatch {
+        /// (rank, ranks) asked for.
+        expected: (usize, usize),
+        /// (rank, ranks) reported.
+        found: (usize, usize),
+    },
+    /// A symmetric allocation failed.
+    #[error("symmetric allocation of {bytes} bytes failed")]
+    Alloc {
+        /// Bytes requested.
+        bytes: usize,
+    },
+    /// A unique id's text form is malformed.
+    #[error("unique id text `{0}…` is not 256 hex digits")]
+    UniqueIdText(String),
+    /// A CUDA driver call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// A request beyond the capacity the buffers were sized for.
     #[error("{what}: {needed} exceeds the capacity {capacity} (sized from max_tokens={max_tokens}, top_k={top_k})")]
     Capacity {

@@ -118,6 +118,12 @@ const _: () = {
         [::std::mem::offset_of!(nvshmem_team_config_v2, padding) - 16usize];
 };
 pub type nvshmem_team_config_t = nvshmem_team_config_v2;
+pub const flags_NVSHMEMX_INIT_THREAD_PES: flags = 1;
+pub const flags_NVSHMEMX_INIT_WITH_MPI_COMM: flags = 2;
+pub const flags_NVSHMEMX_INIT_WITH_SHMEM: flags = 4;
+pub const flags_NVSHMEMX_INIT_WITH_UNIQUEID: flags = 8;
+pub const flags_NVSHMEMX_INIT_MAX: flags = -2147483648;
+pub type flags = ::std::os::raw::c_int;
 pub struct NvshmemHost {
     __library: ::libloading::Library,
     pub nvshmemx_init_status:

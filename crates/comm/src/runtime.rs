@@ -1,0 +1,299 @@
+//! The NVSHMEM runtime: bootstrap by unique id, symmetric buffers, stream barriers.
+//!
+//! Lifetimes make use-after-finalize impossible in safe code: a [`SymmetricBuffer`] holds an
+//! `Arc` of its [`Runtime`], which finalises NVSHMEM only when the last buffer is gone.
+//! NOTES: this layer has run on the build machine only (library loading, unique ids,
+//! argument checks); its first GPU run is the comm issue's next device call.
+
+use crate::{raw, CommError};
+use cudarc::driver::{CudaContext, CudaStream};
+use nvshmem_sys::{nvshmemx_uniqueid_t, NvshmemHost};
+use std::marker::PhantomData;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+static INITIALISED: AtomicBool = AtomicBool::new(false);
+
+/// The loaded NVSHMEM host library, version-checked against the bindings.
+#[derive(Clone)]
+pub struct Library(Arc<NvshmemHost>);
+
+impl Library {
+    /// Loads the host library (see [`nvshmem_sys::library_candidates`] for where it looks)
+    /// and checks its version is the one the bindings were generated from.
+    ///
+    /// ```no_run
+    /// let lib = moefuse_comm::Library::load(None)?;
+    /// # Ok::<(), moefuse_comm::CommError>(())
+    /// ```
+    pub fn load(explicit: Option<&Path>) -> Result<Self, CommError> {
+        let lib = nvshmem_sys::load(explicit).map_err(|e| CommError::Library(e.to_string()))?;
+        let found = raw::vendor_version(&lib);
+        let (a, b, c) = nvshmem_sys::bound_version();
+        if (found.0 as u32, found.1 as u32) != (a, b) {
+            return Err(CommError::Version {
+                found: format!("{}.{}.{}", found.0, found.1, found.2),
+                bound: format!("{a}.{b}.{c}"),
+            });
+        }
+        Ok(Library(Arc::new(lib)))
+    }
+}
+
+/// The bootstrap secret every rank passes to [`Runtime::init`]: created by one rank, sent
+/// to the others by the caller's launcher (hex text fits an environment variable).
+#[derive(Clone, Copy)]
+pub struct UniqueId(nvshmemx_uniqueid_t);
+
+impl UniqueId {
+    /// A new id (on the rank that coordinates the bootstrap).
+    pub fn create(lib: &Library) -> Result<Self, CommError> {
+        let mut id = raw::uniqueid_initializer();
+        match raw::get_uniqueid(&lib.0, &mut id) {
+            0 => Ok(UniqueId(id)),
+            status => Err(CommError::Nvshmem {
+                call: "nvshmemx_get_uniqueid",
+                status,
+            }),
+        }
+    }
+
+    /// The id as 256 hex digits.
+    pub fn to_hex(&self) -> String {
+        let mut s = format!("{:08x}", self.0.version as u32);
+        for &c in &self.0.internal {
+            s.push_str(&format!("{:02x}", c as u8));
+        }
+        s
+    }
+
+    /// Parses [`UniqueId::to_hex`]'s text.
+    ///
+    /// ```
+    /// assert!(moefuse_comm::UniqueId::from_hex("zz").is_err());
+    /// ```
+    pub fn from_hex(text: &str) -> Result<Self, CommError> {
+        let bad = || CommError::UniqueIdText(text.chars().take(16).collect());
+        if text.len() != 8 + 2 * 124 || !text.is_ascii() {
+            return Err(bad());
+        }
+        let version = u32::from_str_radix(&text[..8], 16).map_err(|_| bad())? as i32;
+        let mut internal = [0 as std::os::raw::c_char; 124];
+        for (i, byte) in internal.iter_mut().enumerate() {
+            let at = 8 + 2 * i;
+            *byte = u8::from_str_radix(&text[at..at + 2], 16).map_err(|_| bad())?
+                as std::os::raw::c_char;
+        }
+        Ok(UniqueId(nvshmemx_uniqueid_t { version, internal }))
+    }
+}
+
+/// An initialised NVSHMEM runtime (one per process).
+pub struct Runtime {
+    lib: Library,
+    ctx: Arc<CudaContext>,
+    rank: usize,
+    ranks: usize,
+}
+
+impl Runtime {
+    /// Joins the job as `rank` of `ranks` on `ctx`'s device (collective: every rank calls it
+    /// with the same id). Fails if NVSHMEM is already initialised in this process.
+    pub fn init(
+        lib: &Library,
+        ctx: &Arc<CudaContext>,
+        id: &UniqueId,
+        rank: usize,
+        ranks: usize,
+    ) -> Result<Arc<Self>, CommError> {
+        check_rank(rank, ranks)?;
+        if INITIALISED.swap(true, Ordering::SeqCst) {
+            return Err(CommError::AlreadyInitialised);
+        }
+        let result = (|| {
+            ctx.bind_to_thread()
+                .map_err(|e| CommError::Cuda(e.to_string()))?;
+            let mut id = id.0;
+            let status = raw::init_with_uniqueid(&lib.0, &mut id, rank as i32, ranks as i32);
+            if status != 0 {
+                return Err(CommError::Nvshmem {
+                    call: "nvshmemx_hostlib_init_attr",
+                    status,
+                });
+            }
+            let (me, n) = (raw::my_pe(&lib.0), raw::n_pes(&lib.0));
+            if (me as usize, n as usize) != (rank, ranks) {
+                raw::finalize(&lib.0);
+                return Err(CommError::RankMismatch {
+                    expected: (rank, ranks),
+                    found: (me as usize, n as usize),
+                });
+            }
+            tracing::debug!(rank, ranks, "nvshmem initialised");
+            Ok(Arc::new(Runtime {
+                lib: lib.clone(),
+                ctx: ctx.clone(),
+                rank,
+                ranks,
+            }))
+        })();
+        if result.is_err() {
+            INITIALISED.store(false, Ordering::SeqCst);
+        }
+        result
+    }
+
+    /// This process's rank (PE).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// World size.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Collectively allocates `len` elements of `T` on the symmetric heap (every rank must
+    /// call it with the same `len`, in the same order).
+    pub fn alloc<T: Copy>(self: &Arc<Self>, len: usize) -> Result<SymmetricBuffer<T>, CommError> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or(CommError::Alloc { bytes: usize::MAX })?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CommError::Cuda(e.to_string()))?;
+        let ptr = raw::malloc(&self.lib.0, bytes.max(1));
+        if ptr.is_null() {
+            return Err(CommError::Alloc { bytes });
+        }
+        Ok(SymmetricBuffer {
+            runtime: self.clone(),
+            ptr,
+            len,
+            marker: PhantomData,
+        })
+    }
+
+    /// A barrier over all ranks, ordered on `stream`.
+    pub fn barrier_on_stream(&self, stream: &CudaStream) {
+        raw::barrier_all_on_stream(&self.lib.0, stream.cu_stream() as *mut std::ffi::c_void);
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        raw::finalize(&self.lib.0);
+        INITIALISED.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The rule `Runtime::init` checks first, before any CUDA or NVSHMEM call.
+fn check_rank(rank: usize, ranks: usize) -> Result<(), CommError> {
+    if ranks == 0 || rank >= ranks {
+        return Err(CommError::Rank { rank, ranks });
+    }
+    Ok(())
+}
+
+/// `len` elements of `T` at the same symmetric address on every rank.
+pub struct SymmetricBuffer<T> {
+    runtime: Arc<Runtime>,
+    ptr: *mut std::ffi::c_void,
+    len: usize,
+    marker: PhantomData<T>,
+}
+
+// SAFETY: the buffer is device memory owned by the runtime; the handle carries no host
+// references, and frees happen through the runtime's library, which is thread-safe.
+unsafe impl<T: Send> Send for SymmetricBuffer<T> {}
+
+impl<T> SymmetricBuffer<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// This rank's device address of the buffer.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// The buffer of `pe` as a load/store address on this device, when `pe` is reachable
+    /// over NVLink (or is this rank); `None` for peers reached only through NVSHMEM puts.
+    pub fn peer_ptr(&self, pe: usize) -> Result<Option<u64>, CommError> {
+        if pe >= self.runtime.ranks {
+            return Err(CommError::Rank {
+                rank: pe,
+                ranks: self.runtime.ranks,
+            });
+        }
+        let p = raw::peer_ptr(&self.runtime.lib.0, self.ptr, pe as i32);
+        Ok((!p.is_null()).then_some(p as u64))
+    }
+}
+
+impl<T> Drop for SymmetricBuffer<T> {
+    fn drop(&mut self) {
+        raw::free(&self.runtime.lib.0, self.ptr);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The host library is part of the pinned toolchain (`cargo xtask setup`): these tests
+    // need no GPU, only the library, and fail with its search list when it is missing.
+    fn lib() -> Library {
+        Library::load(None).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn unique_ids_are_fresh_and_survive_hex() {
+        let lib = lib();
+        let (a, b) = (
+            UniqueId::create(&lib).unwrap(),
+            UniqueId::create(&lib).unwrap(),
+        );
+        assert_ne!(a.to_hex(), b.to_hex(), "two ids must differ");
+        let text = a.to_hex();
+        assert_eq!(text.len(), 256);
+        assert_eq!(UniqueId::from_hex(&text).unwrap().to_hex(), text);
+        assert!(matches!(
+            UniqueId::from_hex(&text[..200]),
+            Err(CommError::UniqueIdText(_))
+        ));
+    }
+
+    #[test]
+    fn init_rejects_a_rank_outside_the_world() {
+        assert!(matches!(
+            check_rank(2, 2),
+            Err(CommError::Rank { rank: 2, ranks: 2 })
+        ));
+        assert!(matches!(
+            check_rank(0, 0),
+            Err(CommError::Rank { rank: 0, ranks: 0 })
+        ));
+        assert!(check_rank(1, 2).is_ok());
+    }
+
+    #[test]
+    fn init_attr_initializer_versions_match_the_header_macro() {
+        let attr = raw::init_attr_initializer();
+        assert_eq!(attr.version, (1 << 16) + 144);
+        assert_eq!(attr.args.version, (1 << 16) + 128);
+        assert_eq!(attr.args.uid_args.version, (1 << 16) + 24);
+        assert_eq!(
+            (attr.args.uid_args.myrank, attr.args.uid_args.nranks),
+            (-1, -1)
+        );
+        assert_eq!(raw::uniqueid_initializer().version, (1 << 16) + 128);
+    }
+}
