@@ -3,7 +3,8 @@
 use crate::{root, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use moefuse_kernel_build::{
-    compile_all, default_jobs, parse_archs, units, Arch, Cache, Event, Object, Toolchain,
+    compile_all, default_jobs, nvshmem_modules, parse_archs, units, Arch, Cache, Event, Object,
+    Toolchain, UnitKind,
 };
 use std::process::Command;
 use std::sync::Mutex;
@@ -14,7 +15,8 @@ pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
     let archs = parse_archs(sm).map_err(|e| e.to_string())?;
     let tc = Toolchain::discover().map_err(|e| e.to_string())?;
     let kernels = root().join("kernels");
-    let units = units(&kernels, &archs).map_err(|e| e.to_string())?;
+    let mut units = units(&kernels, &archs).map_err(|e| e.to_string())?;
+    units.extend(nvshmem_modules(&kernels, &archs).map_err(|e| e.to_string())?);
     let jobs = jobs.unwrap_or_else(default_jobs);
     let cache = Cache::default_dir().map_err(|e| e.to_string())?;
     println!(
@@ -74,6 +76,18 @@ pub fn inspect(sm: &str) -> Result<()> {
             Arch::Sm100a => ("sm_100a", &["UTCHMMA", "UTCQMMA"]),
         };
         let list = cuobjdump(&tc, "--list-elf", obj)?;
+        if obj.unit.kind == UnitKind::NvshmemModule {
+            // Communication kernels: no tensor cores to look for, only the arch's ELF.
+            println!(
+                "  {:<70} {elf}: {} (NVSHMEM module)",
+                obj.unit.label(),
+                list.contains(elf)
+            );
+            if !list.contains(elf) {
+                failures.push(obj.unit.label());
+            }
+            continue;
+        }
         let sass = cuobjdump(&tc, "--dump-sass", obj)?;
         let count: usize = mma.iter().map(|m| sass.matches(m).count()).sum();
         let ok = list.contains(elf) && count > 0;

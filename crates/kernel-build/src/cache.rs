@@ -35,10 +35,10 @@ impl Cache {
         self.dir.join(key)
     }
 
-    /// The cached object for `key` if its recorded dependencies are unchanged.
-    pub fn lookup(&self, key: &str) -> Option<PathBuf> {
+    /// The cached `product` (e.g. `object.o`) of `key` if its recorded dependencies are unchanged.
+    pub fn lookup(&self, key: &str, product: &str) -> Option<PathBuf> {
         let entry = self.entry(key);
-        let object = entry.join("object.o");
+        let object = entry.join(product);
         let deps = fs::read_to_string(entry.join("deps")).ok()?;
         if !object.is_file() {
             return None;
@@ -112,9 +112,15 @@ mod tests {
         fs::write(&header, "one").unwrap();
         fs::write(cache.entry("k").join("object.o"), "obj").unwrap();
         cache.record("k", std::slice::from_ref(&header)).unwrap();
-        assert!(cache.lookup("k").is_some(), "unchanged header must hit");
+        assert!(
+            cache.lookup("k", "object.o").is_some(),
+            "unchanged header must hit"
+        );
         fs::write(&header, "two").unwrap();
-        assert!(cache.lookup("k").is_none(), "changed header must miss");
+        assert!(
+            cache.lookup("k", "object.o").is_none(),
+            "changed header must miss"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 

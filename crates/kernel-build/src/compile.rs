@@ -25,6 +25,19 @@ pub struct Unit {
     pub source: PathBuf,
     /// Target arch; `None` for host-only files.
     pub arch: Option<Arch>,
+    /// What the unit becomes.
+    pub kind: UnitKind,
+}
+
+/// What a unit is compiled into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitKind {
+    /// A relocatable-free object for the static library (whole-program compile).
+    Object,
+    /// A device module using NVSHMEM: compiled with `-rdc=true`, then device-linked against
+    /// `libnvshmem_device` into a fatbin the driver API loads (`cuModuleLoadData`) and
+    /// `nvshmemx_cumodule_init` binds.
+    NvshmemModule,
 }
 
 impl Unit {
@@ -69,13 +82,34 @@ pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError
     }
     let mut out = list(&kernels_dir.join("abi"), "cpp")?
         .into_iter()
-        .map(|source| Unit { source, arch: None })
+        .map(|source| Unit {
+            source,
+            arch: None,
+            kind: UnitKind::Object,
+        })
         .collect::<Vec<_>>();
     for &arch in archs {
         for source in list(&kernels_dir.join("instances").join(arch.name()), "cu")? {
             out.push(Unit {
                 source,
                 arch: Some(arch),
+                kind: UnitKind::Object,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The NVSHMEM device modules of `kernels_dir` (`comm/*.cu`), one unit per arch.
+pub fn nvshmem_modules(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError> {
+    let sources = list(&kernels_dir.join("comm"), "cu")?;
+    let mut out = Vec::new();
+    for &arch in archs {
+        for source in &sources {
+            out.push(Unit {
+                source: source.clone(),
+                arch: Some(arch),
+                kind: UnitKind::NvshmemModule,
             });
         }
     }
@@ -155,6 +189,12 @@ fn unit_flags(tc: &Toolchain, kernels_dir: &Path, unit: &Unit) -> Vec<String> {
     if let Some(arch) = unit.arch {
         flags.push(arch.gencode().to_string());
     }
+    if unit.kind == UnitKind::NvshmemModule {
+        flags.push("-rdc=true".into());
+        if let Some(root) = &tc.nvshmem_root {
+            flags.push(format!("-I{}", root.join("include").display()));
+        }
+    }
     flags
 }
 
@@ -173,8 +213,16 @@ fn compile_one(
         PINS.stamp().as_bytes(),
         tc.nvcc_version.as_bytes(),
         unit.label().as_bytes(),
+        format!("{:?}", unit.kind).as_bytes(),
     ]);
-    if let Some(path) = cache.lookup(&key) {
+    let product = match unit.kind {
+        UnitKind::Object => "object.o",
+        UnitKind::NvshmemModule => "module.fatbin",
+    };
+    if unit.kind == UnitKind::NvshmemModule && tc.nvshmem_root.is_none() {
+        return Err(BuildError::Tool { tool: "nvshmem".into(), detail: "no NVSHMEM headers and libnvshmem_device in the toolchain (cargo xtask setup, or NVSHMEM_HOME)".into() });
+    }
+    if let Some(path) = cache.lookup(&key, product) {
         let obj = Object {
             unit: unit.clone(),
             path,
@@ -220,10 +268,14 @@ fn compile_one(
         .filter_map(|p| p.canonicalize().ok())
         .filter(|p| p.starts_with(kernels_dir))
         .collect();
+    let path = match unit.kind {
+        UnitKind::Object => object,
+        UnitKind::NvshmemModule => device_link(tc, unit, &object, &entry.join(product))?,
+    };
     cache.record(&key, &deps)?;
     let obj = Object {
         unit: unit.clone(),
-        path: object,
+        path,
         cached: false,
         seconds: start.elapsed().as_secs_f64(),
     };
@@ -231,10 +283,54 @@ fn compile_one(
     Ok(obj)
 }
 
+/// `nvcc -dlink -fatbin` of an `-rdc` object against `libnvshmem_device`.
+fn device_link(
+    tc: &Toolchain,
+    unit: &Unit,
+    object: &Path,
+    fatbin: &Path,
+) -> Result<PathBuf, BuildError> {
+    let arch = unit.arch.expect("modules have an arch");
+    let lib = tc
+        .nvshmem_root
+        .as_ref()
+        .expect("checked before compiling")
+        .join("lib");
+    let out = Command::new(tc.nvcc())
+        .args(["-dlink", "-fatbin", arch.gencode()])
+        .arg(object)
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lnvshmem_device")
+        .arg("-o")
+        .arg(fatbin)
+        .output()
+        .map_err(|e| BuildError::Tool {
+            tool: tc.nvcc().display().to_string(),
+            detail: e.to_string(),
+        })?;
+    if !out.status.success() {
+        return Err(BuildError::Nvcc {
+            source_file: unit.source.clone(),
+            arch: format!("{} (device link)", arch.name()),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        });
+    }
+    Ok(fatbin.to_path_buf())
+}
+
+// NOTES: an NVSHMEM module also compiles NVSHMEM's own device functions (e.g.
+// `nvshmemi_quiet` spills 8 bytes in 3.4.5), and its calls into them (the call ABI) give
+// our kernels a small stack frame; there only register spills in our kernels (`moefuse_*`)
+// fail the build. In object units every kernel is ours and any local memory fails.
 fn check_spills(unit: &Unit, stderr: &str) -> Result<(), BuildError> {
     let report: Vec<&str> = stderr
         .lines()
-        .filter(|l| l.contains("spill") || l.contains("Local memory") || l.contains("local memory"))
+        .filter(|l| match unit.kind {
+            UnitKind::Object => {
+                l.contains("spill") || l.contains("Local memory") || l.contains("local memory")
+            }
+            UnitKind::NvshmemModule => l.contains("spill") && l.contains("moefuse"),
+        })
         .collect();
     if report.is_empty() || std::env::var_os("MOEFUSE_ALLOW_SPILLS").is_some() {
         return Ok(());

@@ -28,7 +28,10 @@ mod toolchain;
 
 pub use arch::{parse_archs, Arch};
 pub use cache::Cache;
-pub use compile::{archive, compile_all, default_jobs, units, Event, Object, Unit, NVCC_FLAGS};
+pub use compile::{
+    archive, compile_all, default_jobs, nvshmem_modules, units, Event, Object, Unit, UnitKind,
+    NVCC_FLAGS,
+};
 pub use toolchain::{toolchain_dir, Pins, Toolchain, PINS, TOOLCHAIN_ENV};
 
 use std::path::PathBuf;
