@@ -26,10 +26,12 @@
 //! # Ok::<(), moefuse_comm::CommError>(())
 //! ```
 
+mod modules;
 mod plan;
 mod raw;
 mod runtime;
 
+pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
 pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
 
