@@ -22,15 +22,11 @@ fn run() -> Result<(), String> {
         .join("../../kernels")
         .canonicalize()
         .map_err(|e| format!("kernels/: {e}"))?;
-    for var in ["MOEFUSE_CUDA_ARCHS", "MOEFUSE_KERNEL_CACHE", "MOEFUSE_JOBS"]
-        .iter()
-        .chain(moefuse_kernel_build::TOOLCHAIN_ENV)
-    {
-        println!("cargo:rerun-if-env-changed={var}");
-    }
-    for dir in [kernels.join("comm"), kernels.join("include")] {
-        watch(&dir)?;
-    }
+    moefuse_kernel_build::cargo_rerun_if_changed(
+        &kernels,
+        &["MOEFUSE_CUDA_ARCHS", "MOEFUSE_KERNEL_CACHE", "MOEFUSE_JOBS"],
+    )
+    .map_err(|e| e.to_string())?;
     let archs = parse_archs(&env::var("MOEFUSE_CUDA_ARCHS").unwrap_or_else(|_| "90a,100a".into()))
         .map_err(|e| e.to_string())?;
     let names: Vec<&str> = archs.iter().map(|a| a.name()).collect();
@@ -71,16 +67,4 @@ fn run() -> Result<(), String> {
     }
     table.push_str("];\n");
     fs::write(out.join("nvshmem_modules.rs"), table).map_err(|e| e.to_string())
-}
-
-fn watch(dir: &std::path::Path) -> Result<(), String> {
-    for entry in fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
-        let path = entry.map_err(|e| e.to_string())?.path();
-        if path.is_dir() {
-            watch(&path)?;
-        } else {
-            println!("cargo:rerun-if-changed={}", path.display());
-        }
-    }
-    Ok(())
 }

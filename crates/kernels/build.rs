@@ -28,19 +28,17 @@ fn run() -> Result<(), String> {
         .join("../../kernels")
         .canonicalize()
         .map_err(|e| format!("kernels/: {e}"))?;
-    for var in [
-        "MOEFUSE_CUDA_ARCHS",
-        "MOEFUSE_KERNEL_CACHE",
-        "MOEFUSE_ALLOW_SPILLS",
-        "MOEFUSE_JOBS",
-    ]
-    .iter()
-    .chain(moefuse_kernel_build::TOOLCHAIN_ENV)
-    {
-        println!("cargo:rerun-if-env-changed={var}");
-    }
     println!("cargo:rerun-if-changed=src/variant_table.rs");
-    watch(&kernels)?;
+    moefuse_kernel_build::cargo_rerun_if_changed(
+        &kernels,
+        &[
+            "MOEFUSE_CUDA_ARCHS",
+            "MOEFUSE_KERNEL_CACHE",
+            "MOEFUSE_ALLOW_SPILLS",
+            "MOEFUSE_JOBS",
+        ],
+    )
+    .map_err(|e| e.to_string())?;
 
     let archs_env = env::var("MOEFUSE_CUDA_ARCHS").unwrap_or_else(|_| "90a,100a".into());
     let archs = parse_archs(&archs_env).map_err(|e| e.to_string())?;
@@ -87,20 +85,6 @@ fn run() -> Result<(), String> {
     for lib in ["stdc++", "dl", "rt", "pthread"] {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
-    Ok(())
-}
-
-/// `rerun-if-changed` on every file under `kernels/` (real paths, no globs).
-fn watch(dir: &Path) -> Result<(), String> {
-    for entry in fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
-        let path = entry.map_err(|e| e.to_string())?.path();
-        if path.is_dir() {
-            watch(&path)?;
-        } else {
-            println!("cargo:rerun-if-changed={}", path.display());
-        }
-    }
-    println!("cargo:rerun-if-changed={}", dir.display());
     Ok(())
 }
 

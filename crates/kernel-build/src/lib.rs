@@ -97,3 +97,26 @@ pub(crate) fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) ->
     let path = path.into();
     move |source| BuildError::Io { path, source }
 }
+
+/// Prints `cargo:rerun-if-changed` for every file under `dir` (real paths, never globs) and
+/// `cargo:rerun-if-env-changed` for `vars` and every variable toolchain discovery reads:
+/// the part of a build script that decides when cargo reruns it.
+pub fn cargo_rerun_if_changed(dir: &std::path::Path, vars: &[&str]) -> Result<(), BuildError> {
+    for var in vars.iter().chain(TOOLCHAIN_ENV) {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    watch(dir)
+}
+
+fn watch(dir: &std::path::Path) -> Result<(), BuildError> {
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let path = entry.map_err(io_err(dir))?.path();
+        if path.is_dir() {
+            watch(&path)?;
+        } else {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
+    }
+    println!("cargo:rerun-if-changed={}", dir.display());
+    Ok(())
+}
