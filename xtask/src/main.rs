@@ -16,6 +16,7 @@ mod bench_report;
 mod bindgen;
 mod build;
 mod device_pack;
+mod launch;
 mod setup;
 mod variants;
 
@@ -89,6 +90,8 @@ enum Task {
         #[arg(long)]
         install: bool,
     },
+    /// Run N processes of a program as one job (ranks, rendezvous for the NVSHMEM unique id).
+    Launch(launch::LaunchArgs),
 }
 
 fn main() -> ExitCode {
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
         Task::DevicePack { sm } => device_pack::run(&sm),
         Task::BenchReport => bench_report::run(),
         Task::Bindgen { check, install } => bindgen::run(check, install),
+        Task::Launch(args) => launch::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -26,11 +26,16 @@
 //! # Ok::<(), moefuse_comm::CommError>(())
 //! ```
 
+mod bootstrap;
 mod modules;
 mod plan;
 mod raw;
 mod runtime;
 
+pub use bootstrap::{
+    broadcast_from_rank0, exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec,
+    OutputStream, Rendezvous, RendezvousServer,
+};
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
 pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
@@ -129,5 +134,29 @@ pub enum CommError {
         max_tokens: usize,
         /// The sizing inputs.
         top_k: usize,
+    },
+    /// Process bootstrap failed: a malformed launch variable (named), or a rendezvous request
+    /// (address, key and what went wrong).
+    #[error("bootstrap: {0}")]
+    Bootstrap(String),
+    /// A launched rank exited unsuccessfully; the launcher then stopped the others.
+    #[error(
+        "rank {rank} of {world_size} failed first ({status}); ranks still running were stopped"
+    )]
+    RankFailed {
+        /// The first rank that failed.
+        rank: usize,
+        /// Ranks launched.
+        world_size: usize,
+        /// Its exit status or signal.
+        status: String,
+    },
+    /// A launch ran past its timeout and the ranks still running were killed.
+    #[error("the launch timed out after {secs} s; killed ranks {running:?}, still running")]
+    LaunchTimeout {
+        /// The timeout.
+        secs: u64,
+        /// The ranks killed.
+        running: Vec<usize>,
     },
 }

@@ -1,0 +1,99 @@
+//! `cargo xtask launch -n N [--gpus G] [--timeout SECS] -- <program> <args...>`: N ranks of
+//! one job on this host, agreeing on an NVSHMEM unique id through a rendezvous this task
+//! serves on 127.0.0.1 (no MPI, no shared filesystem).
+//!
+//! The work is `moefuse_comm::launch` (`crates/comm/src/bootstrap.rs`, whose docs list the
+//! variables each rank gets and the protocol). This file compiles it by path instead of
+//! depending on moefuse-comm, whose build script needs the toolchain `cargo xtask setup`
+//! installs.
+
+#[allow(dead_code)] // the rank side (LaunchEnv, the client) is for the children
+#[path = "../../crates/comm/src/bootstrap.rs"]
+mod bootstrap;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::time::Duration;
+
+/// The `CommError` variants bootstrap.rs builds (it names `super::CommError`).
+#[derive(Debug)]
+enum CommError {
+    Bootstrap(String),
+    RankFailed {
+        rank: usize,
+        world_size: usize,
+        status: String,
+    },
+    LaunchTimeout {
+        secs: u64,
+        running: Vec<usize>,
+    },
+}
+
+impl fmt::Display for CommError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CommError::Bootstrap(msg) => write!(f, "launch: {msg}"),
+            CommError::RankFailed {
+                rank,
+                world_size,
+                status,
+            } => write!(
+                f,
+                "launch: rank {rank} of {world_size} failed first ({status}); ranks still running were stopped"
+            ),
+            CommError::LaunchTimeout { secs, running } => write!(
+                f,
+                "launch: timed out after {secs} s; killed ranks {running:?}"
+            ),
+        }
+    }
+}
+
+/// Arguments of `cargo xtask launch`.
+#[derive(clap::Args)]
+pub struct LaunchArgs {
+    /// Number of processes (ranks).
+    #[arg(short = 'n', long = "nprocs")]
+    nprocs: usize,
+    /// GPUs to spread the ranks over: CUDA_VISIBLE_DEVICES = rank % G (default:
+    /// MOEFUSE_LAUNCH_GPUS, else 1, so every rank shares one GPU).
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// Kill every rank after this many seconds.
+    #[arg(long)]
+    timeout: Option<u64>,
+    /// Seconds the other ranks may run on after one fails, before they are killed.
+    #[arg(long, default_value_t = 3)]
+    grace: u64,
+    /// The program and its arguments (after `--`).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    command: Vec<OsString>,
+}
+
+/// Runs the job; fails naming the first rank that failed, or the timeout.
+pub fn run(args: LaunchArgs) -> crate::Result<()> {
+    let (program, rest) = args.command.split_first().expect("clap requires a program");
+    let mut spec = bootstrap::LaunchSpec::new(args.nprocs, program, rest);
+    spec.gpus = args.gpus;
+    spec.timeout = args.timeout.map(Duration::from_secs);
+    spec.grace = Duration::from_secs(args.grace);
+    let n = args.nprocs;
+    bootstrap::launch(&spec, |event| match event {
+        bootstrap::LaunchEvent::Started { rendezvous, job_id } => eprintln!(
+            "launch: {n} ranks of {}, rendezvous {rendezvous}, job {job_id}",
+            program.to_string_lossy()
+        ),
+        bootstrap::LaunchEvent::Output { rank, stream, line } => match stream {
+            bootstrap::OutputStream::Stdout => println!("[rank {rank}] {line}"),
+            bootstrap::OutputStream::Stderr => eprintln!("[rank {rank}] {line}"),
+        },
+        bootstrap::LaunchEvent::Exited { rank, status } if !status.success() => {
+            eprintln!("launch: rank {rank} exited: {status}")
+        }
+        bootstrap::LaunchEvent::Exited { .. } => {}
+    })
+    .map_err(|e| e.to_string())?;
+    eprintln!("launch: all {n} ranks exited 0");
+    Ok(())
+}
