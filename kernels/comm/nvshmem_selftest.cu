@@ -23,4 +23,9 @@ extern "C" __global__ void moefuse_nvshmem_wait_copy(const uint64_t* sig_sym, ui
   for (int i = 0; i < n; ++i) out[i] = dst_sym[i];
 }
 
+// One block: out[0..n) = src_sym[0..n) of PE `pe`.
+extern "C" __global__ void moefuse_nvshmem_get(int* out, const int* src_sym, int n, int pe) {
+  nvshmemx_getmem_block(out, src_sym, sizeof(int) * size_t(n), pe);
+}
+
 #endif

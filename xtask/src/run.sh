@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # moefuse device pack: runs on the GPU machine (written by `cargo xtask device-pack`).
-#   run.sh test        every test binary; one line each, then "N passed, N failed, N skipped"
+#   run.sh test [S]    every test binary (or those whose name contains S); one line each,
+#                      then "N passed, N failed, N skipped"
 #   run.sh bench       every benchmark program, then the PyTorch baselines (JSON lines in $OUT)
 #   run.sh torch [--filter S]  only the PyTorch grouped-GEMM baseline
 #   run.sh all         test, then bench
@@ -25,8 +26,8 @@ export MOEFUSE_COMMIT=$(cat "$here/COMMIT" 2>/dev/null || echo unknown)
 export LD_LIBRARY_PATH="${py_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 run_tests() {
-  local passed=0 failed=0 skipped=0 bad=()
-  for t in "$here"/tests/*; do
+  local passed=0 failed=0 skipped=0 bad=() pat="${1:-}"
+  for t in "$here"/tests/*${pat}*; do
     local name log line p f i
     name=$(basename "$t"); log="$logs/$name.log"
     "$t" --test-threads=1 >"$log" 2>&1; rc=$?
@@ -64,7 +65,7 @@ run_torch() {
 }
 
 case "${1:-all}" in
-  test) run_tests ;;
+  test) shift; run_tests "$@" ;;
   bench) run_bench ;;
   torch) shift; run_torch "$@" ;;
   all) run_tests; t=$?; run_bench; b=$?; [ $t = 0 ] && [ $b = 0 ] ;;

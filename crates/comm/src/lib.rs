@@ -27,15 +27,19 @@
 //! ```
 
 mod bootstrap;
+mod device_module;
+mod ep;
 mod modules;
 mod plan;
 mod raw;
 mod runtime;
+mod selftest;
 
 pub use bootstrap::{
     broadcast_from_rank0, exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec,
     OutputStream, Rendezvous, RendezvousServer,
 };
+pub use ep::{Dispatch, EpConfig, ExpertParallel, RoutingFlags, MAX_EXPERTS, MAX_RANKS};
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
 pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
@@ -121,6 +125,47 @@ pub enum CommError {
     /// A CUDA driver call failed.
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// The device is not one the NVSHMEM modules are built for (sm_90a, sm_100a).
+    #[error("compute capability {major}.{minor} is not supported: the comm kernels target sm_90a and sm_100a")]
+    UnsupportedDevice {
+        /// Major.
+        major: i32,
+        /// Minor.
+        minor: i32,
+    },
+    /// The device's arch was not in MOEFUSE_CUDA_ARCHS when this crate was built.
+    #[error("NVSHMEM module `{name}` was not built for {arch} (built: `{built}`); rebuild with MOEFUSE_CUDA_ARCHS including it")]
+    ModuleNotBuilt {
+        /// Module.
+        name: String,
+        /// The device's arch.
+        arch: &'static str,
+        /// What the build embedded.
+        built: &'static str,
+    },
+    /// An expert-parallel configuration outside what the kernels support.
+    #[error("{what} = {value} is not supported: must be {rule}")]
+    Config {
+        /// The field.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// The rule.
+        rule: &'static str,
+    },
+    /// A caller's device buffer is shorter than the call needs.
+    #[error("{what} holds {got} elements; the call needs {needed}")]
+    BufferTooSmall {
+        /// Which buffer.
+        what: &'static str,
+        /// Needed elements.
+        needed: usize,
+        /// Its length.
+        got: usize,
+    },
+    /// The ring check found a wrong element (the message names it).
+    #[error("NVSHMEM ring check failed: {0}")]
+    SelfTest(String),
     /// A request beyond the capacity the buffers were sized for.
     #[error("{what}: {needed} exceeds the capacity {capacity} (sized from max_tokens={max_tokens}, top_k={top_k})")]
     Capacity {

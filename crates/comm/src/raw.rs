@@ -102,3 +102,14 @@ pub(crate) fn barrier_all_on_stream(lib: &NvshmemHost, stream: *mut c_void) {
     // SAFETY: `stream` is a live CUDA stream of the context NVSHMEM was initialised on.
     unsafe { lib.nvshmemx_barrier_all_on_stream(stream) }
 }
+
+pub(crate) fn cumodule_init(lib: &NvshmemHost, module: *mut c_void) -> i32 {
+    // SAFETY: `module` is a live CUmodule loaded from an NVSHMEM-linked fatbin on the
+    // context NVSHMEM was initialised on; the runtime is alive (the caller holds it).
+    unsafe { lib.nvshmemx_cumodule_init(module as nvshmem_sys::CUmodule) }
+}
+
+pub(crate) fn cumodule_finalize(lib: &NvshmemHost, module: *mut c_void) -> i32 {
+    // SAFETY: `module` was bound by cumodule_init and is finalised once, before unload.
+    unsafe { lib.nvshmemx_cumodule_finalize(module as nvshmem_sys::CUmodule) }
+}

@@ -154,6 +154,15 @@ impl Runtime {
         self.ranks
     }
 
+    /// The CUDA context NVSHMEM was initialised on.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub(crate) fn host(&self) -> &NvshmemHost {
+        &self.lib.0
+    }
+
     /// Collectively allocates `len` elements of `T` on the symmetric heap (every rank must
     /// call it with the same `len`, in the same order).
     pub fn alloc<T: Copy>(self: &Arc<Self>, len: usize) -> Result<SymmetricBuffer<T>, CommError> {

@@ -1,0 +1,205 @@
+//! Expert-parallel dispatch and combine (moefuse-comm over NVSHMEM).
+//!
+//! `bench_ep --out DIR [--ranks N] [--tokens T] [--samples S]`: one PE by default; with
+//! `--ranks N` the program relaunches itself as N ranks on this host through
+//! `moefuse_comm::launch` (all on GPU 0 unless MOEFUSE_LAUNCH_GPUS says otherwise) and
+//! rank 0 writes the records. Balanced random top-k routing; experts are the identity
+//! (`y = received x`), so the combined output must equal `x` (weights sum to one): that
+//! is checked once before timing. Each sample times dispatch (count, notify, dispatch,
+//! expand) and combine (send, reduce) with CUDA events; inputs rotate beyond 3× L2.
+//! GB/s counts token payload per rank as DeepEP reports it: each token once per
+//! destination rank it is sent to, `hidden · 2` bytes.
+
+use clap::Parser;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use half::bf16;
+use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
+use moefuse_comm::{
+    exchange_unique_id, launch, EpConfig, ExpertParallel, LaunchEnv, LaunchEvent, LaunchSpec,
+    Library, Runtime, UniqueId,
+};
+use moefuse_testkit::{rel_err, to_f32, Rng, Stats};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser, Clone)]
+struct Args {
+    /// Folder for the JSON lines.
+    #[arg(long, default_value = "benches/results")]
+    out: PathBuf,
+    /// Ranks to launch on this host (1: this process alone).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Tokens per rank.
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// Timed samples.
+    #[arg(long, default_value_t = 30)]
+    samples: usize,
+}
+
+/// (name, experts, top_k, hidden)
+const MODELS: &[(&str, usize, usize, usize)] = &[
+    ("qwen3-30b-a3b", 128, 8, 2048),
+    ("deepseek-v3", 256, 8, 7168),
+];
+
+fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    let launched = LaunchEnv::from_env()?;
+    if launched.is_none() && args.ranks > 1 {
+        let argv: Vec<String> = std::env::args().skip(1).collect();
+        let spec = LaunchSpec::new(args.ranks, std::env::current_exe()?, argv);
+        launch(&spec, |event| {
+            if let LaunchEvent::Output { rank, line, .. } = event {
+                println!("[rank {rank}] {line}");
+            }
+        })?;
+        return Ok(());
+    }
+    let Some(ctx) = open_gpu("bench_ep") else {
+        return Ok(());
+    };
+    // SAFETY: every buffer of this program lives on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let lib = Library::load(None)?;
+    let (rank, ranks, rt) = match &launched {
+        Some(env) => {
+            let hex = exchange_unique_id(env, || Ok(UniqueId::create(&lib)?.to_hex()))?;
+            let id = UniqueId::from_hex(&hex)?;
+            (
+                env.rank,
+                env.world_size,
+                Runtime::init(&lib, &ctx, &id, env.rank, env.world_size)?,
+            )
+        }
+        None => (
+            0,
+            1,
+            Runtime::init(&lib, &ctx, &UniqueId::create(&lib)?, 0, 1)?,
+        ),
+    };
+    let stream = ctx.new_stream()?;
+    let gpu = ctx.name()?;
+    for &(model, experts, top_k, hidden) in MODELS {
+        let cfg = EpConfig {
+            experts,
+            top_k,
+            hidden,
+            max_tokens: args.tokens,
+        };
+        let recs = bench_model(&ctx, &rt, &stream, &args, cfg, model, &gpu)?;
+        if rank == 0 {
+            for r in &recs {
+                println!(
+                    "{:<40} {:>9.1} us [IQR {:>6.1}]  {:>7.1} GB/s  rel_err {:.1e}",
+                    r.case,
+                    r.median_us,
+                    r.iqr_us,
+                    r.gbps.unwrap_or(0.0),
+                    r.rel_err
+                );
+            }
+            append(&args.out, "dispatch_combine", &recs)?;
+        }
+    }
+    let _ = ranks;
+    Ok(())
+}
+
+fn bench_model(
+    ctx: &Arc<CudaContext>,
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    args: &Args,
+    cfg: EpConfig,
+    model: &str,
+    gpu: &str,
+) -> Result<Vec<Record>, Error> {
+    let (t, k, d, e) = (args.tokens, cfg.top_k, cfg.hidden, cfg.experts);
+    let (rank, ranks) = (rt.rank(), rt.ranks());
+    let mut ep = ExpertParallel::new(rt, stream, cfg)?;
+    let mut rng = Rng::new(0x5eed ^ rank as u64);
+    // Balanced random routing: k distinct experts per token, weights summing to one.
+    let mut ids = Vec::with_capacity(t * k);
+    let mut ws = Vec::with_capacity(t * k);
+    let mut sent_rows = 0usize;
+    for _ in 0..t {
+        let mut chosen: Vec<i32> = Vec::with_capacity(k);
+        while chosen.len() < k {
+            let x = rng.below(e) as i32;
+            if !chosen.contains(&x) {
+                chosen.push(x);
+            }
+        }
+        let mut dests: Vec<usize> = chosen.iter().map(|&x| x as usize / (e / ranks)).collect();
+        dests.sort_unstable();
+        dests.dedup();
+        sent_rows += dests.len();
+        ids.extend(chosen);
+        ws.extend(std::iter::repeat_n(1.0 / k as f32, k));
+    }
+    let sets = rotation(ctx, t * d * 2);
+    let xs: Vec<Vec<bf16>> = (0..sets).map(|_| rng.bf16_vec(t * d)).collect();
+    let xs_d: Vec<CudaSlice<bf16>> = xs
+        .iter()
+        .map(|x| stream.clone_htod(x))
+        .collect::<Result<_, _>>()?;
+    let ids_d = stream.clone_htod(&ids)?;
+    let ws_d = stream.clone_htod(&ws)?;
+    let mut out = stream.alloc_zeros::<bf16>(t * d)?;
+    let mut y = stream.alloc_zeros::<bf16>(ep.recv_rows_capacity() * d)?;
+
+    // Check once: identity experts give back x.
+    {
+        let dsp = ep.dispatch(&xs_d[0], &ids_d, &ws_d, t)?;
+        stream.memcpy_dtod(dsp.x(), &mut y)?;
+        dsp.combine(&y, &mut out)?;
+    }
+    let got = to_f32(&stream.clone_dtoh(&out)?);
+    let err = rel_err(&got, &to_f32(&xs[0]));
+    if !(err < 1e-2) {
+        return Err(format!("{model}: combine(dispatch(x)) differs from x: rel err {err}").into());
+    }
+    if ep.take_flags()? != Default::default() {
+        return Err(format!("{model}: kernels flagged valid routing").into());
+    }
+
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (mut disp_us, mut comb_us) = (Vec::new(), Vec::new());
+    for i in 0..(5 + args.samples) {
+        let (a, b, c) = (
+            ctx.new_event(timing)?,
+            ctx.new_event(timing)?,
+            ctx.new_event(timing)?,
+        );
+        a.record(stream)?;
+        let dsp = ep.dispatch(&xs_d[i % sets], &ids_d, &ws_d, t)?;
+        b.record(stream)?;
+        dsp.combine(&y, &mut out)?;
+        c.record(stream)?;
+        c.synchronize()?;
+        if i >= 5 {
+            disp_us.push(a.elapsed_ms(&b)? as f64 * 1e3);
+            comb_us.push(b.elapsed_ms(&c)? as f64 * 1e3);
+        }
+    }
+    let bytes = (sent_rows * d * 2) as f64;
+    let rec = |phase: &str, s: Stats| Record {
+        suite: "dispatch_combine".into(),
+        case: format!("{model}-t{t}-pe{ranks}-{phase}"),
+        backend: "moefuse".into(),
+        gpu: gpu.into(),
+        median_us: s.median_us,
+        iqr_us: s.iqr_us,
+        tflops: None,
+        gbps: Some(bytes / (s.median_us * 1e-6) / 1e9),
+        rel_err: err,
+        date: today(),
+        commit: commit(),
+    };
+    Ok(vec![
+        rec("dispatch", Stats::from_samples(disp_us)),
+        rec("combine", Stats::from_samples(comb_us)),
+    ])
+}

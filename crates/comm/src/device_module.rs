@@ -1,0 +1,156 @@
+//! NVSHMEM device modules on the GPU: an embedded fatbin (see [`crate::embedded_modules`])
+//! loaded with the driver API, bound to the running NVSHMEM with `nvshmemx_cumodule_init`,
+//! and its kernels launched on a caller's stream.
+//!
+//! The only `unsafe` of the comm crate outside `raw`: driver calls on handles this type owns,
+//! and launches whose argument struct the kernel's C declaration fixes.
+
+use crate::{module, raw, CommError, Runtime};
+use cudarc::driver::{result, sys, CudaStream};
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+fn cuda(e: result::DriverError) -> CommError {
+    CommError::Cuda(e.to_string())
+}
+
+/// The embedded-module arch name for the device of `rt`, or a typed error.
+pub(crate) fn device_arch(rt: &Runtime) -> Result<&'static str, CommError> {
+    let cc = rt.context().compute_capability().map_err(cuda)?;
+    match cc {
+        (9, 0) => Ok("sm90a"),
+        (10, 0) => Ok("sm100a"),
+        (major, minor) => Err(CommError::UnsupportedDevice { major, minor }),
+    }
+}
+
+/// A loaded, NVSHMEM-bound module. Unloaded (after `nvshmemx_cumodule_finalize`) on drop.
+pub(crate) struct DeviceModule {
+    rt: Arc<Runtime>,
+    module: sys::CUmodule,
+}
+
+// SAFETY: a CUmodule handle may be used from any thread of its context; the runtime it needs
+// is kept alive by the Arc.
+unsafe impl Send for DeviceModule {}
+// SAFETY: as above; launches only read the handle.
+unsafe impl Sync for DeviceModule {}
+
+/// One kernel of a [`DeviceModule`], valid while the module lives.
+#[derive(Clone, Copy)]
+pub(crate) struct Kernel(sys::CUfunction);
+
+impl DeviceModule {
+    /// Loads the embedded module `name` for this device and binds it to NVSHMEM.
+    pub(crate) fn load(rt: &Arc<Runtime>, name: &str) -> Result<Self, CommError> {
+        let arch = device_arch(rt)?;
+        let image = module(name, arch).ok_or_else(|| CommError::ModuleNotBuilt {
+            name: name.to_string(),
+            arch,
+            built: env!("MOEFUSE_COMM_BUILT_ARCHS"),
+        })?;
+        rt.context().bind_to_thread().map_err(cuda)?;
+        // The driver wants the image 8-byte aligned and NUL-safe: copy into a u64 buffer.
+        let mut aligned = vec![0u64; image.fatbin.len().div_ceil(8)];
+        // SAFETY: `aligned` has at least `fatbin.len()` bytes; the regions do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                image.fatbin.as_ptr(),
+                aligned.as_mut_ptr() as *mut u8,
+                image.fatbin.len(),
+            )
+        };
+        // SAFETY: `aligned` holds a complete fatbin (checked for its magic by the build and
+        // a test); the driver copies what it needs before returning.
+        let module = unsafe { result::module::load_data(aligned.as_ptr() as *const c_void) }
+            .map_err(cuda)?;
+        let status = raw::cumodule_init(rt.host(), module as *mut c_void);
+        if status != 0 {
+            // SAFETY: the module was loaded above and is not used afterwards.
+            let _ = unsafe { result::module::unload(module) };
+            return Err(CommError::Nvshmem {
+                call: "nvshmemx_cumodule_init",
+                status,
+            });
+        }
+        tracing::debug!(name, arch, "nvshmem device module loaded");
+        Ok(DeviceModule {
+            rt: rt.clone(),
+            module,
+        })
+    }
+
+    /// The kernel `name` (an `extern "C"` symbol of the module).
+    pub(crate) fn kernel(&self, name: &str) -> Result<Kernel, CommError> {
+        let c =
+            CString::new(name).map_err(|_| CommError::Cuda(format!("bad kernel name {name}")))?;
+        // SAFETY: `self.module` is loaded until drop.
+        let f = unsafe { result::module::get_function(self.module, c) }
+            .map_err(|e| CommError::Cuda(format!("{name}: {e}")))?;
+        Ok(Kernel(f))
+    }
+
+    /// Launches `kernel` with one by-value argument `args`.
+    ///
+    /// # Safety
+    /// `A` must be exactly the kernel's single parameter type (a `#[repr(C)]` mirror of its
+    /// C struct), and every pointer in it must be valid for what the kernel does with it
+    /// until the stream reaches the launch's end.
+    pub(crate) unsafe fn launch<A>(
+        &self,
+        kernel: Kernel,
+        stream: &CudaStream,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<(), CommError> {
+        let mut params = [args as *const A as *mut c_void];
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.launch_params(kernel, stream, grid, block, smem, &mut params) }
+    }
+
+    /// Launches `kernel` with `params`, one pointer per kernel parameter.
+    ///
+    /// # Safety
+    /// `params[i]` must point to a value of the kernel's i-th parameter type, and every
+    /// device pointer among them must be valid for the kernel's use until it finishes.
+    pub(crate) unsafe fn launch_params(
+        &self,
+        kernel: Kernel,
+        stream: &CudaStream,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller's contract; the driver copies the arguments
+        // before returning, so they need not outlive the call.
+        unsafe {
+            result::launch_kernel(
+                kernel.0,
+                (grid, 1, 1),
+                (block, 1, 1),
+                smem,
+                stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(cuda)
+    }
+}
+
+impl Drop for DeviceModule {
+    fn drop(&mut self) {
+        let _ = self.rt.context().bind_to_thread();
+        let status = raw::cumodule_finalize(self.rt.host(), self.module as *mut c_void);
+        if status != 0 {
+            tracing::warn!(status, "nvshmemx_cumodule_finalize failed");
+        }
+        // SAFETY: loaded by `load`, unloaded once here; no kernel handle outlives the module
+        // in this crate (they live in the same owner).
+        if let Err(e) = unsafe { result::module::unload(self.module) } {
+            tracing::warn!(%e, "cuModuleUnload failed");
+        }
+    }
+}

@@ -1,0 +1,373 @@
+// Expert-parallel dispatch and combine over NVSHMEM (the non-fused path, like DeepEP's
+// normal mode). Six kernels, stream-ordered, no host synchronisation, graph-capturable:
+//
+//   kernel          grid        what it does
+//   count           T/256       per-chunk counts per expert and per destination rank, and the
+//                               stable rank of every (token, slot) inside its chunk
+//   notify          1 x 1024    bumps the epoch; chunk counts -> bases; sends this rank's
+//                               count row to every PE, waits for theirs; derives every base
+//   dispatch        G           each routed token once per destination into its staging row,
+//                               with its slots' expert-major rows, weights and token id
+//   expand          G           waits for every source; staged rows -> expert-major recv_x
+//   combine_send    G           per staged row: sum_j w_j * y[row_j] (fp32) -> bf16 partial
+//                               into the source's comb_x
+//   combine_reduce  G           waits for every destination; out[t] = sum over destinations in
+//                               rank order (fp32) -> bf16
+//
+// Layouts (the host model in crates/comm/src/plan.rs is the specification): staging rows
+// are ordered by source rank then token; expert-major rows by local expert, then source
+// rank, then token. Peers reachable by load/store (NVLink, or this PE) are written directly
+// through nvshmem_ptr; others through NVSHMEM puts.
+//
+// NOTES: completion is signalled once per kernel, by its last block (a device-resident
+// counter, reset by that block), with the epoch as the signal value: every rank bumps the
+// epoch once per dispatch, so waits compare GE epoch and no signal is ever reset (the rule
+// that keeps graph replays and back-to-back calls safe). The buffers of call n+1 are only
+// written after every peer finished reading those of call n, because dispatch n+1 follows
+// combine n, which waited for every peer's combine_send n.
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "moefuse/comm/ep_params.h"
+
+#if !defined(__CUDA_ARCH__) || (__CUDA_ARCH__ >= 900)
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = MOEFUSE_EP_CHUNK;
+static_assert(kChunk == kWarps * 32, "count: one token per lane step, 32 tokens per warp");
+
+__device__ __forceinline__ int row_width(const moefuse_ep_params& p) { return p.experts + p.ranks; }
+
+__device__ __forceinline__ void flag(const moefuse_ep_params& p, uint32_t bit) { atomicOr(p.status + 1, bit); }
+
+// Copies one bf16 row of `hidden` elements (hidden % 8 == 0) with the whole warp.
+__device__ __forceinline__ void warp_copy_row(uint16_t* dst, const uint16_t* src, int hidden, int lane) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  for (int c = lane; c < hidden / 8; c += 32) d[c] = __ldcg(s + c);
+}
+
+// Puts one row to `pe`: a direct copy where the peer is load/store reachable.
+__device__ __forceinline__ void warp_put_row(uint16_t* dst_sym, const uint16_t* src, int hidden, int pe, int lane) {
+  if (auto* peer = static_cast<uint16_t*>(nvshmem_ptr(dst_sym, pe))) {
+    warp_copy_row(peer, src, hidden, lane);
+  } else {
+    nvshmemx_putmem_warp(dst_sym, src, sizeof(uint16_t) * size_t(hidden), pe);
+  }
+}
+
+__device__ __forceinline__ void put_int(int32_t* dst_sym, int32_t v, int pe) {
+  if (auto* peer = static_cast<int32_t*>(nvshmem_ptr(dst_sym, pe))) *peer = v;
+  else nvshmem_int_p(dst_sym, v, pe);
+}
+
+__device__ __forceinline__ void put_float(float* dst_sym, float v, int pe) {
+  if (auto* peer = static_cast<float*>(nvshmem_ptr(dst_sym, pe))) *peer = v;
+  else nvshmem_float_p(dst_sym, v, pe);
+}
+
+// Called by every thread at the end of a sending kernel: the last block to finish raises
+// `sig[rank] = epoch` on every PE. NOTES: each block's thread 0 completes its block's puts
+// (quiet = system fence for load/store peers) before counting itself; the last block
+// fences again before signalling, so every row is visible before any signal.
+__device__ void last_block_signals(const moefuse_ep_params& p, uint32_t* done, uint64_t* sig, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  nvshmem_quiet();
+  __threadfence_system();
+  if (atomicAdd(done, 1u) != gridDim.x - 1) return;
+  __threadfence_system();
+  *done = 0;
+  for (int pe = 0; pe < p.ranks; ++pe) nvshmemx_signal_op(sig + p.rank, epoch, NVSHMEM_SIGNAL_SET, pe);
+}
+
+// Called by every thread at the start of a receiving kernel: waits until every PE raised
+// `sig[pe] >= epoch`.
+__device__ void wait_all(const moefuse_ep_params& p, uint64_t* sig, uint64_t epoch) {
+  for (int pe = threadIdx.x; pe < p.ranks; pe += blockDim.x) {
+    nvshmem_signal_wait_until(sig + pe, NVSHMEM_CMP_GE, epoch);
+  }
+  __threadfence_system();
+  __syncthreads();
+}
+
+// The staging row's source rank: the last s with src_base[s] <= i.
+__device__ __forceinline__ int source_of(const moefuse_ep_params& p, int i) {
+  int s = 0;
+  while (s + 1 < p.ranks && p.src_base[s + 1] <= i) ++s;
+  return s;
+}
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v, float w) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] += w * f.x;
+    acc[2 * q + 1] += w * f.y;
+  }
+}
+
+__device__ __forceinline__ uint4 to_bf16x8(const float (&acc)[8]) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return v;
+}
+
+}  // namespace
+
+// ---- count: grid T/256, block 256, dynamic smem kWarps * C ints ----------------------
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_ep_params p) {
+  extern __shared__ int hist[];  // (kWarps, C): per-warp counts, then per-warp bases
+  const int C = row_width(p), k = p.top_k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < kWarps * C; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+
+  // Each warp walks its 32 tokens in order; lane j holds slot j. A token's experts are
+  // distinct, so positions within an expert follow token order (stable).
+  int* h = hist + warp * C;
+  const int t0 = blockIdx.x * kChunk + warp * 32;
+  const unsigned slots = k >= 32 ? ~0u : ((1u << k) - 1u);
+  for (int i = 0; i < 32 && t0 + i < p.tokens; ++i) {
+    const int t = t0 + i;
+    for (int d = lane; d < p.ranks; d += 32) p.tokpos[t * p.ranks + d] = -1;
+    __syncwarp();
+    if (lane < k) {
+      const int e = p.topk_ids[t * k + lane];
+      const bool ok = e >= 0 && e < p.experts;
+      if (!ok) flag(p, MOEFUSE_EP_BAD_EXPERT_ID);
+      p.pos_local[t * k + lane] = ok ? atomicAdd(&h[e], 1) : -1;
+      const int d = ok ? e / p.local_experts : -1;
+      const unsigned same_dest = __match_any_sync(slots, d);
+      if (ok && lane == __ffs(same_dest) - 1) p.tokpos[t * p.ranks + d] = atomicAdd(&h[p.experts + d], 1);
+      const unsigned same_expert = __match_any_sync(slots, e);
+      if (ok && __popc(same_expert) > 1) flag(p, MOEFUSE_EP_DUPLICATE_EXPERT);
+    }
+    __syncwarp();
+  }
+  __syncthreads();
+
+  // Per-warp exclusive bases inside the chunk, and the chunk's totals.
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int v = hist[w * C + c];
+      hist[w * C + c] = run;
+      run += v;
+    }
+    p.chunk_cnt[blockIdx.x * C + c] = run;
+  }
+  __syncthreads();
+  for (int i = 0; i < 32 && t0 + i < p.tokens; ++i) {
+    const int t = t0 + i;
+    if (lane < k) {
+      const int e = p.topk_ids[t * k + lane];
+      if (e >= 0 && e < p.experts) p.pos_local[t * k + lane] += h[e];
+    }
+    for (int d = lane; d < p.ranks; d += 32) {
+      const int v = p.tokpos[t * p.ranks + d];
+      if (v >= 0) p.tokpos[t * p.ranks + d] = v + h[p.experts + d];
+    }
+  }
+}
+
+// ---- notify: grid 1, block 1024 -------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_notify(moefuse_ep_params p) {
+  __shared__ uint64_t epoch_s;
+  __shared__ int col_total[512];
+  const int C = row_width(p), R = p.ranks, E = p.experts, El = p.local_experts, me = p.rank;
+  const int chunks = (p.tokens + kChunk - 1) / kChunk;
+  if (threadIdx.x == 0) {
+    epoch_s = *p.epoch + 1;
+    *p.epoch = epoch_s;
+    p.status[0] = 0;
+  }
+  // Chunk counts -> exclusive bases per column; this rank's totals into its meta row.
+  int* mine = p.meta + me * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    int run = 0;
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int v = p.chunk_cnt[ch * C + c];
+      p.chunk_cnt[ch * C + c] = run;
+      run += v;
+    }
+    mine[c] = run;
+  }
+  __syncthreads();
+  const uint64_t epoch = epoch_s;
+  for (int pe = 0; pe < R; ++pe) {
+    if (pe != me) {
+      nvshmemx_putmem_signal_block(mine, mine, sizeof(int) * size_t(C), p.meta_sig + me, epoch, NVSHMEM_SIGNAL_SET,
+                                   pe);
+    }
+  }
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    if (s != me) nvshmem_signal_wait_until(p.meta_sig + s, NVSHMEM_CMP_GE, epoch);
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) p.counts_all[i] = __ldcv(p.meta + i);
+  __syncthreads();
+
+  const int* cnt = p.counts_all;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int total = 0;
+    for (int s = 0; s < R; ++s) total += cnt[s * C + e];
+    col_total[e] = total;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int owner = e / El;
+    int before = 0;  // rows of the owner's earlier experts
+    for (int f = owner * El; f < e; ++f) before += col_total[f];
+    int earlier_src = 0;  // rows of this expert from lower source ranks
+    for (int s = 0; s < me; ++s) earlier_src += cnt[s * C + e];
+    p.dest_row_base[e] = before + earlier_src;
+    if (owner == me) {
+      p.recv_offsets[e - me * El] = before + col_total[e];
+      if (e == me * El + El - 1) p.status[0] = before + col_total[e];
+    }
+  }
+  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+    int sb = 0, cb = 0;
+    for (int s = 0; s < me; ++s) sb += cnt[s * C + E + d];
+    for (int q = 0; q < d; ++q) cb += cnt[me * C + E + q];
+    p.stage_base[d] = sb;
+    p.comb_base[d] = cb;
+  }
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int s = 0; s < R; ++s) {
+      p.src_base[s] = run;
+      run += cnt[s * C + E + me];
+    }
+    p.src_base[R] = run;
+  }
+}
+
+// ---- dispatch: grid G, block 256 ------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
+  const uint64_t epoch = *p.epoch;
+  const int C = row_width(p), k = p.top_k, D = p.hidden;
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.tokens; t += warps) {
+    const int* base = p.chunk_cnt + (t / kChunk) * C;
+    int e = -1, row_in_expert = -1;
+    float w = 0.f;
+    if (lane < k) {
+      e = p.topk_ids[t * k + lane];
+      w = p.topk_weights[t * k + lane];
+      if (e >= 0 && e < p.experts) row_in_expert = p.dest_row_base[e] + base[e] + p.pos_local[t * k + lane];
+    }
+    for (int d = 0; d < p.ranks; ++d) {
+      const int tp = p.tokpos[t * p.ranks + d];
+      if (tp < 0) continue;
+      const int i = p.stage_base[d] + base[p.experts + d] + tp;
+      warp_put_row(p.stage_x + size_t(i) * D, p.x + size_t(t) * D, D, d, lane);
+      if (lane < k) {
+        const bool here = row_in_expert >= 0 && e / p.local_experts == d;
+        put_int(p.stage_info + size_t(i) * (k + 1) + lane, here ? row_in_expert : -1, d);
+        put_float(p.stage_w + size_t(i) * k + lane, w, d);
+      } else if (lane == k) {
+        put_int(p.stage_info + size_t(i) * (k + 1) + k, t, d);
+      }
+    }
+  }
+  last_block_signals(p, p.done + 0, p.disp_sig, epoch);
+}
+
+// ---- expand: grid G, block 256 --------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse_ep_params p) {
+  const uint64_t epoch = *p.epoch;
+  wait_all(p, p.disp_sig, epoch);
+  const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32;
+  const int staged = p.src_base[p.ranks];
+  const int warps = gridDim.x * kWarps;
+  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < staged; i += warps) {
+    const int32_t* info = p.stage_info + size_t(i) * (k + 1);
+    const int token = __ldcg(info + k);
+    const int src = source_of(p, i);
+    for (int j = 0; j < k; ++j) {
+      const int row = __ldcg(info + j);
+      if (row < 0) continue;
+      if (row >= p.recv_rows_cap) {
+        if (lane == 0) flag(p, MOEFUSE_EP_RECV_OVERFLOW);
+        continue;
+      }
+      warp_copy_row(p.recv_x + size_t(row) * D, p.stage_x + size_t(i) * D, D, lane);
+      if (lane == 0) {
+        p.recv_w[row] = __ldcg(p.stage_w + size_t(i) * k + j);
+        p.recv_origin[3 * size_t(row) + 0] = src;
+        p.recv_origin[3 * size_t(row) + 1] = token;
+        p.recv_origin[3 * size_t(row) + 2] = j;
+      }
+    }
+  }
+}
+
+// ---- combine_send: grid G, block 256 --------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(moefuse_ep_params p) {
+  const uint64_t epoch = *p.epoch;
+  const int C = row_width(p), k = p.top_k, D = p.hidden, lane = threadIdx.x % 32;
+  const int staged = p.src_base[p.ranks];
+  const int warps = gridDim.x * kWarps;
+  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < staged; i += warps) {
+    const int32_t* info = p.stage_info + size_t(i) * (k + 1);
+    const int src = source_of(p, i);
+    // Where the source keeps this destination's partials: after those of lower ranks.
+    int at = i - p.src_base[src];
+    for (int q = 0; q < p.rank; ++q) at += p.counts_all[src * C + p.experts + q];
+    uint16_t* dst_sym = p.comb_x + size_t(at) * D;
+    auto* peer = static_cast<uint16_t*>(nvshmem_ptr(dst_sym, src));
+    uint16_t* scratch = p.stage_x + size_t(i) * D;  // this staged row is no longer needed
+    uint16_t* target = peer ? peer : scratch;
+    for (int c = lane; c < D / 8; c += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int j = 0; j < k; ++j) {
+        const int row = __ldcg(info + j);
+        if (row < 0 || row >= p.recv_rows_cap) continue;
+        add_bf16x8(acc, __ldg(reinterpret_cast<const uint4*>(p.y + size_t(row) * D) + c),
+                   __ldcg(p.stage_w + size_t(i) * k + j));
+      }
+      reinterpret_cast<uint4*>(target)[c] = to_bf16x8(acc);
+    }
+    if (!peer) {
+      __syncwarp();
+      nvshmemx_putmem_warp(dst_sym, scratch, sizeof(uint16_t) * size_t(D), src);
+    }
+  }
+  last_block_signals(p, p.done + 1, p.comb_sig, epoch);
+}
+
+// ---- combine_reduce: grid G, block 256 ------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_reduce(moefuse_ep_params p) {
+  const uint64_t epoch = *p.epoch;
+  wait_all(p, p.comb_sig, epoch);
+  const int C = row_width(p), D = p.hidden, lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.tokens; t += warps) {
+    const int* base = p.chunk_cnt + (t / kChunk) * C;
+    for (int c = lane; c < D / 8; c += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int d = 0; d < p.ranks; ++d) {
+        const int tp = p.tokpos[t * p.ranks + d];
+        if (tp < 0) continue;
+        const size_t at = size_t(p.comb_base[d] + base[p.experts + d] + tp);
+        add_bf16x8(acc, __ldcg(reinterpret_cast<const uint4*>(p.comb_x + at * D) + c), 1.f);
+      }
+      reinterpret_cast<uint4*>(p.out + size_t(t) * D)[c] = to_bf16x8(acc);
+    }
+  }
+}
+
+#endif

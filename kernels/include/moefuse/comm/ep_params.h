@@ -1,0 +1,76 @@
+/*
+ * Expert-parallel dispatch/combine: the one argument struct every kernel of
+ * kernels/comm/ep.cu takes by value. Mirrored field for field by `EpParams` in
+ * crates/comm/src/ep/params.rs (a layout test there checks size and offsets).
+ *
+ * Buffers, by owner:
+ *   caller   x, topk_ids, topk_weights (dispatch inputs), y (combine input), out.
+ *   symmetric (same offset on every PE; peers write into them):
+ *            meta, meta_sig, stage_x, stage_info, stage_w, disp_sig, comb_x, comb_sig.
+ *   local    epoch, done, chunk_cnt, pos_local, tokpos, counts_all, dest_row_base,
+ *            stage_base, comb_base, src_base, status, and the receive outputs recv_*.
+ *
+ * C = experts + ranks is the width of a count row: counts per global expert, then
+ * tokens per destination rank.
+ */
+#ifndef MOEFUSE_COMM_EP_PARAMS_H
+#define MOEFUSE_COMM_EP_PARAMS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Tokens per block of the count kernel (8 warps x 32 tokens). */
+#define MOEFUSE_EP_CHUNK 256
+
+/* Bits of status[1]: routing problems found on the device (slots skipped, never UB). */
+#define MOEFUSE_EP_BAD_EXPERT_ID 1u
+#define MOEFUSE_EP_DUPLICATE_EXPERT 2u
+#define MOEFUSE_EP_RECV_OVERFLOW 4u
+
+typedef struct moefuse_ep_params {
+  int32_t ranks, rank, experts, local_experts;
+  int32_t top_k, hidden, tokens, max_tokens;
+  int64_t recv_rows_cap; /* rows of recv_x */
+
+  const uint16_t* x;          /* [tokens, hidden] bf16 */
+  const int32_t* topk_ids;    /* [tokens, top_k] */
+  const float* topk_weights;  /* [tokens, top_k] */
+
+  int32_t* meta;       /* sym [ranks][C]: row s = rank s's counts */
+  uint64_t* meta_sig;  /* sym [ranks] */
+  uint16_t* stage_x;   /* sym [ranks*max_tokens, hidden]: each received token once */
+  int32_t* stage_info; /* sym [ranks*max_tokens][top_k+1]: expert-major row per slot (or -1), token */
+  float* stage_w;      /* sym [ranks*max_tokens][top_k] */
+  uint64_t* disp_sig;  /* sym [ranks] */
+  uint16_t* comb_x;    /* sym [max_tokens*min(top_k,ranks), hidden]: partial sums from each destination */
+  uint64_t* comb_sig;  /* sym [ranks] */
+
+  uint64_t* epoch;        /* [1] calls so far; notify increments it */
+  uint32_t* done;         /* [2] finished blocks of dispatch / combine_send (last block resets) */
+  int32_t* chunk_cnt;     /* [max_chunks][C] per-chunk counts, then exclusive bases */
+  int32_t* pos_local;     /* [max_tokens][top_k] rank of (t, slot) in its expert within the chunk */
+  int32_t* tokpos;        /* [max_tokens][ranks] rank of t among tokens sent to d (or -1) */
+  int32_t* counts_all;    /* [ranks][C] copy of meta */
+  int32_t* dest_row_base; /* [experts] first expert-major row of my tokens at the owner */
+  int32_t* stage_base;    /* [ranks] first staged row of mine at d */
+  int32_t* comb_base;     /* [ranks] first comb_x row of d's partials here */
+  int32_t* src_base;      /* [ranks+1] first staged row of source s here; [ranks] = total */
+  uint32_t* status;       /* [2] rows received, error bits */
+
+  uint16_t* recv_x;      /* [recv_rows_cap, hidden] expert-major rows for the grouped GEMM */
+  int32_t* recv_offsets; /* [local_experts] prefix-sum ends */
+  float* recv_w;         /* [recv_rows_cap] routing weight of each row */
+  int32_t* recv_origin;  /* [recv_rows_cap][3] source rank, token, slot */
+
+  const uint16_t* y; /* [recv rows, hidden] expert outputs, in recv_x's row order */
+  uint16_t* out;     /* [tokens, hidden] combined bf16 */
+} moefuse_ep_params;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
