@@ -25,6 +25,7 @@
 // that keeps graph replays and back-to-back calls safe). The buffers of call n+1 are only
 // written after every peer finished reading those of call n, because dispatch n+1 follows
 // combine n, which waited for every peer's combine_send n.
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -41,35 +42,59 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_EP_CHUNK;
 static_assert(kChunk == kWarps * 32, "count: one token per lane step, 32 tokens per warp");
+static_assert(sizeof(moefuse_ep_params) == 264 && offsetof(moefuse_ep_params, recv_x) == 216,
+              "moefuse_ep_params changed: update EpParams in crates/comm/src/ep/params.rs and its layout test");
 
 __device__ __forceinline__ int row_width(const moefuse_ep_params& p) { return p.experts + p.ranks; }
 
 __device__ __forceinline__ void flag(const moefuse_ep_params& p, uint32_t bit) { atomicOr(p.status + 1, bit); }
 
-// Copies one bf16 row of `hidden` elements (hidden % 8 == 0) with the whole warp.
-__device__ __forceinline__ void warp_copy_row(uint16_t* dst, const uint16_t* src, int hidden, int lane) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  for (int c = lane; c < hidden / 8; c += 32) d[c] = __ldcg(s + c);
-}
+// Loads per lane kept in flight by the row copies: a warp moves 32 x kUnroll x 16 bytes
+// per step, which with 16 warps per SM covers memory latency (one load per lane did not:
+// 0.1 TB/s in the first version).
+constexpr int kUnroll = 4;
+constexpr int kMaxTopK = 16;
 
-// Puts one row to `pe`: a direct copy where the peer is load/store reachable.
-__device__ __forceinline__ void warp_put_row(uint16_t* dst_sym, const uint16_t* src, int hidden, int pe, int lane) {
-  if (auto* peer = static_cast<uint16_t*>(nvshmem_ptr(dst_sym, pe))) {
-    warp_copy_row(peer, src, hidden, lane);
-  } else {
-    nvshmemx_putmem_warp(dst_sym, src, sizeof(uint16_t) * size_t(hidden), pe);
+// Copies one bf16 row of `hidden` elements (hidden % 8 == 0) with the whole warp into
+// `n_dst` destinations (a received row feeding several local experts is read once).
+__device__ __forceinline__ void warp_copy_row_to(uint16_t* const* dst, int n_dst, const uint16_t* src, int hidden,
+                                                 int lane) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  const int n = hidden / 8;
+  int c = lane;
+  for (; c + 32 * (kUnroll - 1) < n; c += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(s + c + 32 * u);
+    for (int j = 0; j < n_dst; ++j) {
+      uint4* d = reinterpret_cast<uint4*>(dst[j]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) d[c + 32 * u] = v[u];
+    }
+  }
+  for (; c < n; c += 32) {
+    const uint4 v = __ldcg(s + c);
+    for (int j = 0; j < n_dst; ++j) reinterpret_cast<uint4*>(dst[j])[c] = v;
   }
 }
 
-__device__ __forceinline__ void put_int(int32_t* dst_sym, int32_t v, int pe) {
-  if (auto* peer = static_cast<int32_t*>(nvshmem_ptr(dst_sym, pe))) *peer = v;
-  else nvshmem_int_p(dst_sym, v, pe);
-}
+// Load/store addresses of this kernel's symmetric buffers on every PE (null where only
+// NVSHMEM puts reach it), looked up once per block.
+struct PeerTable {
+  uint16_t* stage_x[MOEFUSE_EP_MAX_RANKS];
+  int32_t* stage_info[MOEFUSE_EP_MAX_RANKS];
+  float* stage_w[MOEFUSE_EP_MAX_RANKS];
+  uint16_t* comb_x[MOEFUSE_EP_MAX_RANKS];
+};
 
-__device__ __forceinline__ void put_float(float* dst_sym, float v, int pe) {
-  if (auto* peer = static_cast<float*>(nvshmem_ptr(dst_sym, pe))) *peer = v;
-  else nvshmem_float_p(dst_sym, v, pe);
+__device__ void fill_peers(PeerTable& t, const moefuse_ep_params& p) {
+  for (int pe = threadIdx.x; pe < p.ranks; pe += blockDim.x) {
+    t.stage_x[pe] = static_cast<uint16_t*>(nvshmem_ptr(p.stage_x, pe));
+    t.stage_info[pe] = static_cast<int32_t*>(nvshmem_ptr(p.stage_info, pe));
+    t.stage_w[pe] = static_cast<float*>(nvshmem_ptr(p.stage_w, pe));
+    t.comb_x[pe] = static_cast<uint16_t*>(nvshmem_ptr(p.comb_x, pe));
+  }
+  __syncthreads();
 }
 
 // Called by every thread at the end of a sending kernel: the last block to finish raises
@@ -124,25 +149,31 @@ __device__ __forceinline__ uint4 to_bf16x8(const float (&acc)[8]) {
 
 }  // namespace
 
-// ---- count: grid T/256, block 256, dynamic smem kWarps * C ints ----------------------
+// ---- count: grid T/256, block 256, dynamic smem (kWarps * C + kWarps * 32 * top_k) ints -
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_ep_params p) {
-  extern __shared__ int hist[];  // (kWarps, C): per-warp counts, then per-warp bases
+  extern __shared__ int smem[];
   const int C = row_width(p), k = p.top_k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int* hist = smem;                                   // (kWarps, C): counts, then bases
+  int* ids = smem + kWarps * C + warp * 32 * k;       // (32, k): this warp's routing
   for (int i = threadIdx.x; i < kWarps * C; i += blockDim.x) hist[i] = 0;
+  const int t0 = blockIdx.x * kChunk + warp * 32;
+  const int n_tok = max(0, min(32, p.tokens - t0));
+  // One coalesced load of the warp's ids: the serial walk below then reads shared memory
+  // (walking global memory token by token was latency-bound).
+  for (int i = lane; i < n_tok * k; i += 32) ids[i] = p.topk_ids[size_t(t0) * k + i];
   __syncthreads();
 
-  // Each warp walks its 32 tokens in order; lane j holds slot j. A token's experts are
+  // Each warp walks its tokens in order; lane j holds slot j. A token's experts are
   // distinct, so positions within an expert follow token order (stable).
   int* h = hist + warp * C;
-  const int t0 = blockIdx.x * kChunk + warp * 32;
   const unsigned slots = k >= 32 ? ~0u : ((1u << k) - 1u);
-  for (int i = 0; i < 32 && t0 + i < p.tokens; ++i) {
+  for (int i = 0; i < n_tok; ++i) {
     const int t = t0 + i;
     for (int d = lane; d < p.ranks; d += 32) p.tokpos[t * p.ranks + d] = -1;
     __syncwarp();
     if (lane < k) {
-      const int e = p.topk_ids[t * k + lane];
+      const int e = ids[i * k + lane];
       const bool ok = e >= 0 && e < p.experts;
       if (!ok) flag(p, MOEFUSE_EP_BAD_EXPERT_ID);
       p.pos_local[t * k + lane] = ok ? atomicAdd(&h[e], 1) : -1;
@@ -167,10 +198,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
     p.chunk_cnt[blockIdx.x * C + c] = run;
   }
   __syncthreads();
-  for (int i = 0; i < 32 && t0 + i < p.tokens; ++i) {
+  for (int i = 0; i < n_tok; ++i) {
     const int t = t0 + i;
     if (lane < k) {
-      const int e = p.topk_ids[t * k + lane];
+      const int e = ids[i * k + lane];
       if (e >= 0 && e < p.experts) p.pos_local[t * k + lane] += h[e];
     }
     for (int d = lane; d < p.ranks; d += 32) {
@@ -256,6 +287,8 @@ extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_notify(moefuse_ep_
 
 // ---- dispatch: grid G, block 256 ------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
+  __shared__ PeerTable peers;
+  fill_peers(peers, p);
   const uint64_t epoch = *p.epoch;
   const int C = row_width(p), k = p.top_k, D = p.hidden;
   const int lane = threadIdx.x % 32;
@@ -269,17 +302,22 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
       w = p.topk_weights[t * k + lane];
       if (e >= 0 && e < p.experts) row_in_expert = p.dest_row_base[e] + base[e] + p.pos_local[t * k + lane];
     }
+    const uint16_t* src = p.x + size_t(t) * D;
     for (int d = 0; d < p.ranks; ++d) {
       const int tp = p.tokpos[t * p.ranks + d];
       if (tp < 0) continue;
-      const int i = p.stage_base[d] + base[p.experts + d] + tp;
-      warp_put_row(p.stage_x + size_t(i) * D, p.x + size_t(t) * D, D, d, lane);
-      if (lane < k) {
-        const bool here = row_in_expert >= 0 && e / p.local_experts == d;
-        put_int(p.stage_info + size_t(i) * (k + 1) + lane, here ? row_in_expert : -1, d);
-        put_float(p.stage_w + size_t(i) * k + lane, w, d);
-      } else if (lane == k) {
-        put_int(p.stage_info + size_t(i) * (k + 1) + k, t, d);
+      const size_t i = size_t(p.stage_base[d] + base[p.experts + d] + tp);
+      const bool here = row_in_expert >= 0 && e / p.local_experts == d;
+      const int info = lane < k ? (here ? row_in_expert : -1) : t;
+      if (uint16_t* peer_x = peers.stage_x[d]) {
+        uint16_t* dst = peer_x + i * D;
+        warp_copy_row_to(&dst, 1, src, D, lane);
+        if (lane <= k) peers.stage_info[d][i * (k + 1) + lane] = info;
+        if (lane < k) peers.stage_w[d][i * k + lane] = w;
+      } else {
+        nvshmemx_putmem_nbi_warp(p.stage_x + i * D, src, sizeof(uint16_t) * size_t(D), d);
+        if (lane <= k) nvshmem_int_p(p.stage_info + i * (k + 1) + lane, info, d);
+        if (lane < k) nvshmem_float_p(p.stage_w + i * k + lane, w, d);
       }
     }
   }
@@ -288,85 +326,138 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
 
 // ---- expand: grid G, block 256 --------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse_ep_params p) {
+  __shared__ uint16_t* dst_rows[kWarps][kMaxTopK];
   const uint64_t epoch = *p.epoch;
   wait_all(p, p.disp_sig, epoch);
-  const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32;
+  const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int staged = p.src_base[p.ranks];
   const int warps = gridDim.x * kWarps;
-  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < staged; i += warps) {
+  for (int i = blockIdx.x * kWarps + warp; i < staged; i += warps) {
     const int32_t* info = p.stage_info + size_t(i) * (k + 1);
-    const int token = __ldcg(info + k);
-    const int src = source_of(p, i);
-    for (int j = 0; j < k; ++j) {
-      const int row = __ldcg(info + j);
-      if (row < 0) continue;
-      if (row >= p.recv_rows_cap) {
-        if (lane == 0) flag(p, MOEFUSE_EP_RECV_OVERFLOW);
-        continue;
-      }
-      warp_copy_row(p.recv_x + size_t(row) * D, p.stage_x + size_t(i) * D, D, lane);
-      if (lane == 0) {
-        p.recv_w[row] = __ldcg(p.stage_w + size_t(i) * k + j);
-        p.recv_origin[3 * size_t(row) + 0] = src;
-        p.recv_origin[3 * size_t(row) + 1] = token;
-        p.recv_origin[3 * size_t(row) + 2] = j;
-      }
+    // Lane j < k: slot j's expert-major row here (or -1); compact the valid ones.
+    int row = lane < k ? __ldcg(info + lane) : -1;
+    if (row >= p.recv_rows_cap) {
+      flag(p, MOEFUSE_EP_RECV_OVERFLOW);
+      row = -1;
     }
+    const unsigned valid = __ballot_sync(~0u, row >= 0);
+    if (row >= 0) {
+      const int slot = lane;
+      dst_rows[warp][__popc(valid & ((1u << lane) - 1))] = p.recv_x + size_t(row) * D;
+      p.recv_w[row] = __ldcg(p.stage_w + size_t(i) * k + slot);
+      p.recv_origin[3 * size_t(row) + 0] = source_of(p, i);
+      p.recv_origin[3 * size_t(row) + 1] = __ldcg(info + k);
+      p.recv_origin[3 * size_t(row) + 2] = slot;
+    }
+    __syncwarp();
+    warp_copy_row_to(dst_rows[warp], __popc(valid), p.stage_x + size_t(i) * D, D, lane);
+    __syncwarp();
   }
 }
 
 // ---- combine_send: grid G, block 256 --------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(moefuse_ep_params p) {
+  __shared__ PeerTable peers;
+  __shared__ const uint4* y_rows[kWarps][kMaxTopK];
+  __shared__ float y_w[kWarps][kMaxTopK];
+  fill_peers(peers, p);
   const uint64_t epoch = *p.epoch;
-  const int C = row_width(p), k = p.top_k, D = p.hidden, lane = threadIdx.x % 32;
+  const int C = row_width(p), k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int staged = p.src_base[p.ranks];
   const int warps = gridDim.x * kWarps;
-  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < staged; i += warps) {
+  for (int i = blockIdx.x * kWarps + warp; i < staged; i += warps) {
     const int32_t* info = p.stage_info + size_t(i) * (k + 1);
+    int row = lane < k ? __ldcg(info + lane) : -1;
+    if (row >= p.recv_rows_cap) row = -1;  // flagged by expand
+    const unsigned valid = __ballot_sync(~0u, row >= 0);
+    if (row >= 0) {
+      const int at = __popc(valid & ((1u << lane) - 1));
+      y_rows[warp][at] = reinterpret_cast<const uint4*>(p.y + size_t(row) * D);
+      y_w[warp][at] = __ldcg(p.stage_w + size_t(i) * k + lane);
+    }
+    __syncwarp();
+    const int n_rows = __popc(valid);
     const int src = source_of(p, i);
     // Where the source keeps this destination's partials: after those of lower ranks.
     int at = i - p.src_base[src];
     for (int q = 0; q < p.rank; ++q) at += p.counts_all[src * C + p.experts + q];
-    uint16_t* dst_sym = p.comb_x + size_t(at) * D;
-    auto* peer = static_cast<uint16_t*>(nvshmem_ptr(dst_sym, src));
-    uint16_t* scratch = p.stage_x + size_t(i) * D;  // this staged row is no longer needed
-    uint16_t* target = peer ? peer : scratch;
-    for (int c = lane; c < D / 8; c += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < k; ++j) {
-        const int row = __ldcg(info + j);
-        if (row < 0 || row >= p.recv_rows_cap) continue;
-        add_bf16x8(acc, __ldg(reinterpret_cast<const uint4*>(p.y + size_t(row) * D) + c),
-                   __ldcg(p.stage_w + size_t(i) * k + j));
+    uint16_t* peer = peers.comb_x[src];
+    uint4* target = reinterpret_cast<uint4*>(peer ? peer + size_t(at) * D : p.stage_x + size_t(i) * D);
+    // Each lane sums kUnroll vectors of every row before storing (loads in flight).
+    const int n = D / 8;
+    for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
+      float acc[kUnroll][8] = {};
+      for (int j = 0; j < n_rows; ++j) {
+        const uint4* yr = y_rows[warp][j];
+        const float w = y_w[warp][j];
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + 32 * u < n) v[u] = __ldg(yr + c0 + 32 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], w);
+        }
       }
-      reinterpret_cast<uint4*>(target)[c] = to_bf16x8(acc);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u < n) target[c0 + 32 * u] = to_bf16x8(acc[u]);
+      }
     }
     if (!peer) {
+      // The staged row is no longer needed: it held the partial; put it to the source.
       __syncwarp();
-      nvshmemx_putmem_warp(dst_sym, scratch, sizeof(uint16_t) * size_t(D), src);
+      nvshmemx_putmem_warp(p.comb_x + size_t(at) * D, p.stage_x + size_t(i) * D, sizeof(uint16_t) * size_t(D), src);
     }
+    __syncwarp();
   }
   last_block_signals(p, p.done + 1, p.comb_sig, epoch);
 }
 
 // ---- combine_reduce: grid G, block 256 ------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_reduce(moefuse_ep_params p) {
+  __shared__ const uint4* parts[kWarps][MOEFUSE_EP_MAX_RANKS];
   const uint64_t epoch = *p.epoch;
   wait_all(p, p.comb_sig, epoch);
-  const int C = row_width(p), D = p.hidden, lane = threadIdx.x % 32;
+  const int C = row_width(p), D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warps = gridDim.x * kWarps;
-  for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.tokens; t += warps) {
+  const int n = D / 8;
+  for (int t = blockIdx.x * kWarps + warp; t < p.tokens; t += warps) {
+    // The token's partials, one per destination it went to, in rank order.
     const int* base = p.chunk_cnt + (t / kChunk) * C;
-    for (int c = lane; c < D / 8; c += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int d = 0; d < p.ranks; ++d) {
-        const int tp = p.tokpos[t * p.ranks + d];
-        if (tp < 0) continue;
+    int n_parts = 0;
+    for (int d0 = 0; d0 < p.ranks; d0 += 32) {
+      const int d = d0 + lane;
+      const int tp = d < p.ranks ? p.tokpos[t * p.ranks + d] : -1;
+      const unsigned has = __ballot_sync(~0u, tp >= 0);
+      if (tp >= 0) {
         const size_t at = size_t(p.comb_base[d] + base[p.experts + d] + tp);
-        add_bf16x8(acc, __ldcg(reinterpret_cast<const uint4*>(p.comb_x + at * D) + c), 1.f);
+        parts[warp][n_parts + __popc(has & ((1u << lane) - 1))] = reinterpret_cast<const uint4*>(p.comb_x + at * D);
       }
-      reinterpret_cast<uint4*>(p.out + size_t(t) * D)[c] = to_bf16x8(acc);
+      n_parts += __popc(has);
     }
+    __syncwarp();
+    uint4* out = reinterpret_cast<uint4*>(p.out + size_t(t) * D);
+    for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
+      float acc[kUnroll][8] = {};
+      for (int j = 0; j < n_parts; ++j) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + 32 * u < n) v[u] = __ldcg(parts[warp][j] + c0 + 32 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], 1.f);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u < n) out[c0 + 32 * u] = to_bf16x8(acc[u]);
+      }
+    }
+    __syncwarp();
   }
 }
 

@@ -53,6 +53,7 @@ impl EpConfig {
             Err(CommError::Config { what, value, rule })
         };
         if ranks == 0 || ranks > MAX_RANKS {
+            // MAX_RANKS is MOEFUSE_EP_MAX_RANKS (the kernels' peer tables).
             return bad("ranks", ranks, "1..=64");
         }
         if self.experts == 0 || self.experts > MAX_EXPERTS {
@@ -272,7 +273,8 @@ impl ExpertParallel {
             recv_origin: ptr(&local.recv_origin, s),
             ..EpParams::default()
         };
-        let grid = runtime
+        // Two 256-thread blocks per SM: 16 warps, each with 4 row loads per lane in flight.
+        let grid = 2 * runtime
             .context()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda)? as u32;
@@ -362,7 +364,7 @@ impl ExpertParallel {
             ..self.base
         };
         let chunks = tokens.div_ceil(params::CHUNK).max(1) as u32;
-        let count_smem = (8 * (self.cfg.experts + self.place.ranks()) * 4) as u32;
+        let count_smem = (8 * (self.cfg.experts + self.place.ranks() + 32 * k) * 4) as u32;
         let kn = &self.kernels;
         // SAFETY: `p` mirrors `moefuse_ep_params` (layout test); its buffers are owned by
         // `self` and sized from the config, the caller's were checked above and are kept

@@ -25,6 +25,9 @@ extern "C" {
 /* Tokens per block of the count kernel (8 warps x 32 tokens). */
 #define MOEFUSE_EP_CHUNK 256
 
+/* Largest world (peer tables in shared memory; crates/comm checks it before launch). */
+#define MOEFUSE_EP_MAX_RANKS 64
+
 /* Bits of status[1]: routing problems found on the device (slots skipped, never UB). */
 #define MOEFUSE_EP_BAD_EXPERT_ID 1u
 #define MOEFUSE_EP_DUPLICATE_EXPERT 2u
