@@ -4,6 +4,7 @@
 #                      then "N passed, N failed, N skipped"
 #   run.sh bench       every benchmark program, then the PyTorch baselines (JSON lines in $OUT)
 #   run.sh torch [--filter S]  only the PyTorch grouped-GEMM baseline
+#   run.sh torch_ep    only the PyTorch dispatch/combine baseline
 #   run.sh all         test, then bench
 #   run.sh NAME ARGS   one program from bin/ (e.g. gemm_demo 8192 8192 8192)
 set -u
@@ -55,6 +56,8 @@ run_bench() {
     "$b" --out "$out" || rc=1
   done
   run_torch || rc=1
+  echo "== torch_dispatch_combine"
+  PYTHONUNBUFFERED=1 python3 "$here/py/torch_dispatch_combine.py" --out "$out" || rc=1
   return $rc
 }
 
@@ -68,6 +71,7 @@ case "${1:-all}" in
   test) shift; run_tests "$@" ;;
   bench) run_bench ;;
   torch) shift; run_torch "$@" ;;
+  torch_ep) shift; PYTHONUNBUFFERED=1 python3 "$here/py/torch_dispatch_combine.py" --out "$out" "$@" ;;
   all) run_tests; t=$?; run_bench; b=$?; [ $t = 0 ] && [ $b = 0 ] ;;
   *) "$here/bin/$1" "${@:2}" ;;
 esac
