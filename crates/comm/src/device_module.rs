@@ -68,9 +68,13 @@ impl DeviceModule {
         if status != 0 {
             // SAFETY: the module was loaded above and is not used afterwards.
             let _ = unsafe { result::module::unload(module) };
-            return Err(CommError::Nvshmem {
-                call: "nvshmemx_cumodule_init",
+            return Err(CommError::ModuleInit {
+                name: name.to_string(),
                 status,
+                built_with: {
+                    let (a, b, c) = nvshmem_sys::bound_version();
+                    format!("{a}.{b}.{c}")
+                },
             });
         }
         tracing::debug!(name, arch, "nvshmem device module loaded");

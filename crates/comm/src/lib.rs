@@ -34,6 +34,7 @@ mod plan;
 mod raw;
 mod runtime;
 mod selftest;
+mod team;
 
 pub use bootstrap::{
     broadcast_from_rank0, exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec,
@@ -43,6 +44,7 @@ pub use ep::{Dispatch, EpConfig, ExpertParallel, RoutingFlags, MAX_EXPERTS, MAX_
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
 pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
+pub use team::Team;
 
 /// Everything the communication layer rejects, with the offending values.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -162,6 +164,17 @@ pub enum CommError {
         needed: usize,
         /// Its length.
         got: usize,
+    },
+    /// `nvshmemx_cumodule_init` refused a module: most often the device library it was
+    /// linked against and the loaded host library differ in version.
+    #[error("nvshmemx_cumodule_init({name}) returned {status}: the module was device-linked against NVSHMEM {built_with}; the host library must be the same version")]
+    ModuleInit {
+        /// Module.
+        name: String,
+        /// Status.
+        status: i32,
+        /// The NVSHMEM the module was built with.
+        built_with: String,
     },
     /// The ring check found a wrong element (the message names it).
     #[error("NVSHMEM ring check failed: {0}")]

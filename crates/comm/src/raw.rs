@@ -113,3 +113,52 @@ pub(crate) fn cumodule_finalize(lib: &NvshmemHost, module: *mut c_void) -> i32 {
     // SAFETY: `module` was bound by cumodule_init and is finalised once, before unload.
     unsafe { lib.nvshmemx_cumodule_finalize(module as nvshmem_sys::CUmodule) }
 }
+
+pub(crate) fn team_split_strided(
+    lib: &NvshmemHost,
+    parent: i32,
+    start: i32,
+    stride: i32,
+    size: i32,
+    new_team: &mut i32,
+) -> i32 {
+    // SAFETY: collective over `parent` after init; a null config with mask 0 asks for the
+    // defaults; `new_team` is a valid out-pointer (NVSHMEM_TEAM_INVALID for non-members).
+    unsafe {
+        lib.nvshmem_team_split_strided(parent, start, stride, size, std::ptr::null(), 0, new_team)
+    }
+}
+
+pub(crate) fn team_destroy(lib: &NvshmemHost, team: i32) {
+    // SAFETY: `team` came from team_split_strided of this runtime and is destroyed once.
+    unsafe { lib.nvshmem_team_destroy(team) }
+}
+
+pub(crate) fn team_my_pe(lib: &NvshmemHost, team: i32) -> i32 {
+    // SAFETY: `team` is a valid team handle of this runtime.
+    unsafe { lib.nvshmem_team_my_pe(team) }
+}
+
+pub(crate) fn team_n_pes(lib: &NvshmemHost, team: i32) -> i32 {
+    // SAFETY: as for team_my_pe.
+    unsafe { lib.nvshmem_team_n_pes(team) }
+}
+
+pub(crate) fn team_translate_pe(lib: &NvshmemHost, team: i32, pe: i32, dest: i32) -> i32 {
+    // SAFETY: both handles are valid teams of this runtime.
+    unsafe { lib.nvshmem_team_translate_pe(team, pe, dest) }
+}
+
+pub(crate) fn team_sync_on_stream(lib: &NvshmemHost, team: i32, stream: *mut c_void) -> i32 {
+    // SAFETY: `team` is valid and `stream` is a live stream of NVSHMEM's context.
+    unsafe { lib.nvshmemx_team_sync_on_stream(team, stream as _) }
+}
+
+/// NVSHMEM's own bootstrap (NVSHMEM_BOOTSTRAP: PMI by default; PMI-2, PMIx or the MPI
+/// plugin by setting), for processes started by mpirun or srun.
+pub(crate) fn init_with_default_bootstrap(lib: &NvshmemHost) -> i32 {
+    let mut attr = init_attr_initializer();
+    // SAFETY: flags 0 selects the environment's bootstrap; `attr` is a valid, versioned
+    // struct that lives across the call.
+    unsafe { lib.nvshmemx_hostlib_init_attr(0, &mut attr) }
+}

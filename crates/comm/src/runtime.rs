@@ -108,34 +108,74 @@ impl Runtime {
         ranks: usize,
     ) -> Result<Arc<Self>, CommError> {
         check_rank(rank, ranks)?;
+        let mut id = id.0;
+        Self::init_by(
+            lib,
+            ctx,
+            Some((rank, ranks)),
+            "nvshmemx_hostlib_init_attr",
+            |host| raw::init_with_uniqueid(host, &mut id, rank as i32, ranks as i32),
+        )
+    }
+
+    /// Joins a job started by `mpirun` or `srun` through NVSHMEM's own bootstrap
+    /// (`NVSHMEM_BOOTSTRAP`: PMI by default; PMI-2, PMIx, or the MPI plugin by setting);
+    /// rank and size come from the launcher. NOTES: not exercised here (no PMI on the
+    /// machines this project can reach); the unique-id path is the tested one.
+    ///
+    /// ```no_run
+    /// # let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    /// let lib = moefuse_comm::Library::load(None)?;
+    /// let rt = moefuse_comm::Runtime::init_with_bootstrap(&lib, &ctx)?;
+    /// println!("rank {} of {}", rt.rank(), rt.ranks());
+    /// # Ok::<(), moefuse_comm::CommError>(())
+    /// ```
+    pub fn init_with_bootstrap(
+        lib: &Library,
+        ctx: &Arc<CudaContext>,
+    ) -> Result<Arc<Self>, CommError> {
+        Self::init_by(
+            lib,
+            ctx,
+            None,
+            "nvshmemx_hostlib_init_attr (NVSHMEM_BOOTSTRAP)",
+            |host| raw::init_with_default_bootstrap(host),
+        )
+    }
+
+    /// The common part of every init: one runtime per process, the device bound, the
+    /// reported rank and size checked against `expected`.
+    fn init_by(
+        lib: &Library,
+        ctx: &Arc<CudaContext>,
+        expected: Option<(usize, usize)>,
+        call: &'static str,
+        init: impl FnOnce(&NvshmemHost) -> i32,
+    ) -> Result<Arc<Self>, CommError> {
         if INITIALISED.swap(true, Ordering::SeqCst) {
             return Err(CommError::AlreadyInitialised);
         }
         let result = (|| {
             ctx.bind_to_thread()
                 .map_err(|e| CommError::Cuda(e.to_string()))?;
-            let mut id = id.0;
-            let status = raw::init_with_uniqueid(&lib.0, &mut id, rank as i32, ranks as i32);
+            let status = init(&lib.0);
             if status != 0 {
-                return Err(CommError::Nvshmem {
-                    call: "nvshmemx_hostlib_init_attr",
-                    status,
-                });
+                return Err(CommError::Nvshmem { call, status });
             }
-            let (me, n) = (raw::my_pe(&lib.0), raw::n_pes(&lib.0));
-            if (me as usize, n as usize) != (rank, ranks) {
+            let (me, n) = (raw::my_pe(&lib.0) as usize, raw::n_pes(&lib.0) as usize);
+            if let Some(expected) = expected.filter(|&e| e != (me, n)) {
                 raw::finalize(&lib.0);
                 return Err(CommError::RankMismatch {
-                    expected: (rank, ranks),
-                    found: (me as usize, n as usize),
+                    expected,
+                    found: (me, n),
                 });
             }
-            tracing::debug!(rank, ranks, "nvshmem initialised");
+            tracing::debug!(rank = me, ranks = n, "nvshmem initialised");
             Ok(Arc::new(Runtime {
                 lib: lib.clone(),
                 ctx: ctx.clone(),
-                rank,
-                ranks,
+                rank: me,
+                ranks: n,
             }))
         })();
         if result.is_err() {

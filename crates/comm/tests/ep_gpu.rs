@@ -14,7 +14,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use moefuse_comm::{
     exchange_unique_id, launch, CommError, EpConfig, ExpertParallel, LaunchEnv, LaunchEvent,
-    LaunchSpec, Library, ReceiveLayout, Runtime, SendPlan, UniqueId,
+    LaunchSpec, Library, ReceiveLayout, Runtime, SendPlan, Team, UniqueId,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -299,6 +299,49 @@ fn shared(ctx: &Arc<CudaContext>) -> Result<std::sync::MutexGuard<'static, Share
     Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
+/// World and strided teams: sizes, numbering, translation back to world PEs, stream sync,
+/// and a split outside the parent rejected before NVSHMEM sees it.
+fn check_teams(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> Result<(), String> {
+    let (me, n) = (rt.rank(), rt.ranks());
+    let world = Team::world(rt);
+    if (world.rank(), world.size()) != (me, n) {
+        return Err(format!(
+            "world team {}/{} on rank {me}/{n}",
+            world.rank(),
+            world.size()
+        ));
+    }
+    let evens = world.split_strided(0, 2, n.div_ceil(2)).map_err(e)?;
+    match (&evens, me % 2) {
+        (Some(t), 0) => {
+            if t.rank() != me / 2
+                || t.size() != n.div_ceil(2)
+                || t.world_pe(t.rank()).map_err(e)? != me
+            {
+                return Err(format!(
+                    "even team: rank {} size {} on world rank {me}",
+                    t.rank(),
+                    t.size()
+                ));
+            }
+            t.sync_on_stream(stream).map_err(e)?;
+        }
+        (None, 1) => {}
+        (t, _) => return Err(format!("rank {me}: even-team membership {}", t.is_some())),
+    }
+    world.sync_on_stream(stream).map_err(e)?;
+    stream.synchronize().map_err(e)?;
+    match world.split_strided(0, 1, n + 1) {
+        Err(CommError::Config { .. }) => Ok(()),
+        other => Err(format!("oversized split: {:?}", other.map(|t| t.is_some()))),
+    }
+}
+
+fn teams_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let s = shared(ctx)?;
+    check_teams(&s.rt, &s.stream)
+}
+
 fn ring_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let s = shared(ctx)?;
     s.rt.ring_check(&s.stream, 4099).map_err(e)
@@ -523,6 +566,8 @@ fn rank_main() -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     rt.ring_check(&stream, 4099).map_err(e)?;
     println!("ring check ok");
+    check_teams(&rt, &stream)?;
+    println!("teams ok");
     let done = all_cases(&rt, &stream, seed)?;
     println!("round trips ok: {}", done.join(", "));
     Ok(())
@@ -540,6 +585,7 @@ fn main() {
     }
     GpuSuite::new()
         .test("ring_check_one_pe", ring_one_pe)
+        .test("teams_one_pe", teams_one_pe)
         .test("dispatch_combine_one_pe", roundtrips_one_pe)
         .test("graph_replay_one_pe", graph_replay_one_pe)
         .test("misuse_is_rejected", misuse_one_pe)
