@@ -176,6 +176,9 @@ pub enum CommError {
         /// The NVSHMEM the module was built with.
         built_with: String,
     },
+    /// An operation NVSHMEM does not support in this configuration (the message says why).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// The ring check found a wrong element (the message names it).
     #[error("NVSHMEM ring check failed: {0}")]
     SelfTest(String),

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 const TEAM_WORLD: i32 = 0;
 const TEAM_INVALID: i32 = -1;
+/// `NVSHMEMI_TEAM_SAME_GPU`: the PEs sharing this PE's GPU.
+const TEAM_SAME_GPU: i32 = 4;
 
 /// A set of PEs with its own numbering. The world team lives as long as the runtime; a
 /// split team is destroyed on drop.
@@ -33,7 +35,8 @@ impl Team {
     }
 
     /// PEs `start, start + stride, …` (`size` of them, numbered in this team) of `self`.
-    /// Collective over `self`; PEs outside the new team get `Ok(None)`.
+    /// Collective over `self`; PEs outside the new team get `Ok(None)`. Refused with
+    /// [`CommError::Unsupported`] when several PEs share a GPU (NVSHMEM would abort).
     ///
     /// ```no_run
     /// # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>) -> Result<(), moefuse_comm::CommError> {
@@ -55,8 +58,16 @@ impl Team {
                 rule: "below the parent team's size, with size and stride positive",
             });
         }
-        let mut handle = TEAM_INVALID;
         let host = self.runtime.host();
+        // NOTES: with several PEs on one GPU ("limited MPG", no MPS) NVSHMEM 3.4.5 aborts
+        // the process inside team_split_strided (measured on the H200): refuse first.
+        let sharing = raw::team_n_pes(host, TEAM_SAME_GPU);
+        if sharing > 1 {
+            return Err(CommError::Unsupported(format!(
+                "team split with {sharing} PEs on one GPU: NVSHMEM supports it only with one PE per GPU (or MPS)"
+            )));
+        }
+        let mut handle = TEAM_INVALID;
         let status = raw::team_split_strided(
             host,
             self.handle,

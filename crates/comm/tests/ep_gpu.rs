@@ -301,7 +301,11 @@ fn shared(ctx: &Arc<CudaContext>) -> Result<std::sync::MutexGuard<'static, Share
 
 /// World and strided teams: sizes, numbering, translation back to world PEs, stream sync,
 /// and a split outside the parent rejected before NVSHMEM sees it.
-fn check_teams(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> Result<(), String> {
+fn check_teams(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    shares_gpu: bool,
+) -> Result<(), String> {
     let (me, n) = (rt.rank(), rt.ranks());
     let world = Team::world(rt);
     if (world.rank(), world.size()) != (me, n) {
@@ -310,6 +314,16 @@ fn check_teams(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> Result<(), String
             world.rank(),
             world.size()
         ));
+    }
+    if shares_gpu {
+        // NVSHMEM aborts team splits with several PEs per GPU: we must refuse instead.
+        return match world.split_strided(0, 2, n.div_ceil(2)) {
+            Err(CommError::Unsupported(_)) => Ok(()),
+            other => Err(format!(
+                "split with PEs sharing a GPU: {:?}",
+                other.map(|t| t.is_some())
+            )),
+        };
     }
     let evens = world.split_strided(0, 2, n.div_ceil(2)).map_err(e)?;
     match (&evens, me % 2) {
@@ -339,7 +353,7 @@ fn check_teams(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> Result<(), String
 
 fn teams_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let s = shared(ctx)?;
-    check_teams(&s.rt, &s.stream)
+    check_teams(&s.rt, &s.stream, false)
 }
 
 fn ring_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
@@ -566,7 +580,8 @@ fn rank_main() -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     rt.ring_check(&stream, 4099).map_err(e)?;
     println!("ring check ok");
-    check_teams(&rt, &stream)?;
+    // Every rank of `n_pes` runs on GPU 0.
+    check_teams(&rt, &stream, env.world_size > 1)?;
     println!("teams ok");
     let done = all_cases(&rt, &stream, seed)?;
     println!("round trips ok: {}", done.join(", "));
