@@ -18,15 +18,18 @@ pub const NVCC_FLAGS: &[&str] = &[
     "-Xptxas=-warn-spills,-warn-lmem-usage",
 ];
 
-/// One translation unit: a kernel instance for one arch, or host-only code (`arch: None`).
+/// One translation unit: a kernel instance for one arch, host-only code (`arch: None`), or
+/// a fat object for several archs (`arch: None`, [`UnitKind::FatObject`], `fat_archs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unit {
     /// The `.cu`/`.cpp` file.
     pub source: PathBuf,
-    /// Target arch; `None` for host-only files.
+    /// Target arch; `None` for host-only files and fat objects.
     pub arch: Option<Arch>,
     /// What the unit becomes.
     pub kind: UnitKind,
+    /// [`UnitKind::FatObject`] only: every arch it carries SASS for (empty otherwise).
+    pub fat_archs: Vec<Arch>,
 }
 
 /// What a unit is compiled into.
@@ -38,17 +41,25 @@ pub enum UnitKind {
     /// `libnvshmem_device` into a fatbin the driver API loads (`cuModuleLoadData`) and
     /// `nvshmemx_cumodule_init` binds.
     NvshmemModule,
+    /// Plain CUDA C++ with no arch-specific instructions (`kernels/moe/*.cu`): one object
+    /// with SASS for every built arch (one `-gencode` each), so its launchers exist once
+    /// and the runtime picks the image for the device.
+    FatObject,
 }
 
 impl Unit {
-    /// A short label: `sm90a/<file stem>` or `host/<file stem>`.
+    /// A short label: `sm90a/<file stem>`, `host/<file stem>` or `fat/<file stem>`.
     pub fn label(&self) -> String {
         let stem = self
             .source
             .file_stem()
             .unwrap_or_default()
             .to_string_lossy();
-        format!("{}/{stem}", self.arch.map_or("host", Arch::name))
+        let prefix = match (self.kind, self.arch) {
+            (UnitKind::FatObject, _) => "fat",
+            (_, arch) => arch.map_or("host", Arch::name),
+        };
+        format!("{prefix}/{stem}")
     }
 }
 
@@ -74,8 +85,9 @@ pub enum Event {
     Finished(Object),
 }
 
-/// The units of `kernels_dir` for `archs`: `abi/*.cpp` (host-only) and
-/// `instances/<arch>/*.cu`, sorted. With no archs, no units (a build without kernels).
+/// The units of `kernels_dir` for `archs`: `abi/*.cpp` (host-only),
+/// `instances/<arch>/*.cu`, and `moe/*.cu` as fat objects for all of `archs`, sorted. With
+/// no archs, no units (a build without kernels).
 pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError> {
     if archs.is_empty() {
         return Ok(Vec::new());
@@ -86,6 +98,7 @@ pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError
             source,
             arch: None,
             kind: UnitKind::Object,
+            fat_archs: Vec::new(),
         })
         .collect::<Vec<_>>();
     for &arch in archs {
@@ -94,8 +107,17 @@ pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError
                 source,
                 arch: Some(arch),
                 kind: UnitKind::Object,
+                fat_archs: Vec::new(),
             });
         }
+    }
+    for source in list(&kernels_dir.join("moe"), "cu")? {
+        out.push(Unit {
+            source,
+            arch: None,
+            kind: UnitKind::FatObject,
+            fat_archs: archs.to_vec(),
+        });
     }
     Ok(out)
 }
@@ -110,6 +132,7 @@ pub fn nvshmem_modules(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, 
                 source: source.clone(),
                 arch: Some(arch),
                 kind: UnitKind::NvshmemModule,
+                fat_archs: Vec::new(),
             });
         }
     }
@@ -189,6 +212,9 @@ fn unit_flags(tc: &Toolchain, kernels_dir: &Path, unit: &Unit) -> Vec<String> {
     if let Some(arch) = unit.arch {
         flags.push(arch.gencode().to_string());
     }
+    for arch in &unit.fat_archs {
+        flags.push(arch.gencode().to_string());
+    }
     if unit.kind == UnitKind::NvshmemModule {
         flags.push("-rdc=true".into());
         if let Some(root) = &tc.nvshmem_root {
@@ -216,7 +242,7 @@ fn compile_one(
         format!("{:?}", unit.kind).as_bytes(),
     ]);
     let product = match unit.kind {
-        UnitKind::Object => "object.o",
+        UnitKind::Object | UnitKind::FatObject => "object.o",
         UnitKind::NvshmemModule => "module.fatbin",
     };
     if unit.kind == UnitKind::NvshmemModule && tc.nvshmem_root.is_none() {
@@ -252,7 +278,15 @@ fn compile_one(
             detail: e.to_string(),
         })?;
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let arch = unit.arch.map_or("host", Arch::name).to_string();
+    let arch = match unit.kind {
+        UnitKind::FatObject => unit
+            .fat_archs
+            .iter()
+            .map(|a| a.name())
+            .collect::<Vec<_>>()
+            .join("+"),
+        _ => unit.arch.map_or("host", Arch::name).to_string(),
+    };
     if !out.status.success() {
         let _ = fs::remove_file(&object);
         return Err(BuildError::Nvcc {
@@ -269,7 +303,7 @@ fn compile_one(
         .filter(|p| p.starts_with(kernels_dir))
         .collect();
     let path = match unit.kind {
-        UnitKind::Object => object,
+        UnitKind::Object | UnitKind::FatObject => object,
         UnitKind::NvshmemModule => device_link(tc, unit, &object, &entry.join(product))?,
     };
     cache.record(&key, &deps)?;
@@ -326,7 +360,7 @@ fn check_spills(unit: &Unit, stderr: &str) -> Result<(), BuildError> {
     let report: Vec<&str> = stderr
         .lines()
         .filter(|l| match unit.kind {
-            UnitKind::Object => {
+            UnitKind::Object | UnitKind::FatObject => {
                 l.contains("spill") || l.contains("Local memory") || l.contains("local memory")
             }
             UnitKind::NvshmemModule => l.contains("spill") && l.contains("moefuse"),
@@ -370,4 +404,35 @@ pub fn archive(objects: &[Object], out: &Path) -> Result<(), BuildError> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moe_sources_become_one_fat_unit_for_all_archs() {
+        let dir = std::env::temp_dir().join(format!("moefuse-units-{}", std::process::id()));
+        for (sub, file) in [
+            ("abi", "abi.cpp"),
+            ("instances/sm90a", "sm90a_x.cu"),
+            ("instances/sm100a", "sm100a_x.cu"),
+            ("moe", "router.cu"),
+        ] {
+            fs::create_dir_all(dir.join(sub)).unwrap();
+            fs::write(dir.join(sub).join(file), "").unwrap();
+        }
+        let all = units(&dir, &Arch::ALL).unwrap();
+        let labels: Vec<String> = all.iter().map(Unit::label).collect();
+        assert_eq!(
+            labels,
+            ["host/abi", "sm90a/sm90a_x", "sm100a/sm100a_x", "fat/router"]
+        );
+        let fat = &all[3];
+        assert_eq!((fat.kind, fat.arch), (UnitKind::FatObject, None));
+        assert_eq!(fat.fat_archs, Arch::ALL.to_vec());
+        assert!(all[..3].iter().all(|u| u.fat_archs.is_empty()));
+        assert!(units(&dir, &[]).unwrap().is_empty());
+        let _ = fs::remove_dir_all(&dir);
+    }
 }

@@ -5,7 +5,8 @@
 //!    `CUTLASS_DIR`, `NVSHMEM_HOME` first, else the folder `cargo xtask setup` fills
 //!    ([`toolchain_dir`]).
 //! 2. [`units`] lists the translation units for the chosen [`Arch`]es: the host-only ABI
-//!    file plus one generated instance file per kernel variant.
+//!    file, one generated instance file per kernel variant, and the MoE kernels of
+//!    `kernels/moe/` as fat objects (one object with SASS for every arch).
 //! 3. [`compile_all`] compiles them in parallel (jobs capped by cores and memory), reusing
 //!    cached objects keyed by source, flags, toolchain pins and arch, and checked against
 //!    every header nvcc's depfile names inside the kernel tree.

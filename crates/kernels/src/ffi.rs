@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 
 /// `MOEFUSE_ABI_VERSION` this crate was written against.
-pub const MOEFUSE_ABI_VERSION: u32 = 2;
+pub const MOEFUSE_ABI_VERSION: u32 = 3;
 
 /// `moefuse_status`: kept as a plain integer so an unknown value cannot be undefined behaviour.
 pub type MoefuseStatus = i32;
@@ -113,6 +113,137 @@ pub type GemmLaunchFn =
 /// A variant's workspace query: `moefuse_<variant>_workspace(args)`.
 pub type GemmWorkspaceFn = unsafe extern "C" fn(*const MoefuseGemmArgs) -> usize;
 
+/// `MOEFUSE_ROUTER_SOFTMAX_TOPK`: softmax over all experts, then top-k.
+pub const MOEFUSE_ROUTER_SOFTMAX_TOPK: i32 = 0;
+/// `MOEFUSE_ROUTER_SIGMOID_GROUPED`: DeepSeek-V3's biased, group-limited sigmoid router.
+pub const MOEFUSE_ROUTER_SIGMOID_GROUPED: i32 = 1;
+
+/// `MOEFUSE_ACTIVATION_SWIGLU`
+pub const MOEFUSE_ACTIVATION_SWIGLU: i32 = 0;
+/// `MOEFUSE_ACTIVATION_GEGLU`
+pub const MOEFUSE_ACTIVATION_GEGLU: i32 = 1;
+/// `MOEFUSE_ACTIVATION_SWIGLU_OAI`
+pub const MOEFUSE_ACTIVATION_SWIGLU_OAI: i32 = 2;
+/// `MOEFUSE_ACTIVATION_BOUNDED_SWIGLU`
+pub const MOEFUSE_ACTIVATION_BOUNDED_SWIGLU: i32 = 3;
+/// `MOEFUSE_ACTIVATION_RELU2`
+pub const MOEFUSE_ACTIVATION_RELU2: i32 = 4;
+
+/// `MOEFUSE_GATE_UP_SPLIT`: gates in `[0, I)`, ups in `[I, 2I)`.
+pub const MOEFUSE_GATE_UP_SPLIT: i32 = 0;
+/// `MOEFUSE_GATE_UP_INTERLEAVED`: gate `j` at `2j`, up `j` at `2j + 1`.
+pub const MOEFUSE_GATE_UP_INTERLEAVED: i32 = 1;
+
+/// `moefuse_router_args`: router forward, logits to top-k ids and weights, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseRouterArgs {
+    /// Tokens `T` (0: nothing is launched).
+    pub tokens: i32,
+    /// Experts `E`, `1..=512`.
+    pub experts: i32,
+    /// Experts per token `k`, `1..=min(16, E)`.
+    pub top_k: i32,
+    /// `MOEFUSE_ROUTER_*`.
+    pub kind: i32,
+    /// Sigmoid grouped: number of expert groups.
+    pub n_group: i32,
+    /// Sigmoid grouped: groups kept per token.
+    pub topk_group: i32,
+    /// 1: divide the chosen weights by their sum.
+    pub renormalize: i32,
+    /// Sigmoid grouped: final scale of the weights.
+    pub routed_scaling_factor: f32,
+    /// `[T, E]` fp32 logits.
+    pub logits: *const f32,
+    /// `[E]` fp32 selection bias or null (sigmoid grouped only).
+    pub bias: *const f32,
+    /// `[T, k]` int32 out.
+    pub topk_ids: *mut i32,
+    /// `[T, k]` fp32 out.
+    pub topk_weights: *mut f32,
+}
+
+/// `moefuse_router_bwd_args`: `d_logits` from `d_topk_weights`, selection constant, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseRouterBwdArgs {
+    /// Tokens `T` (0: nothing is launched).
+    pub tokens: i32,
+    /// Experts `E`.
+    pub experts: i32,
+    /// Experts per token `k`.
+    pub top_k: i32,
+    /// `MOEFUSE_ROUTER_*`.
+    pub kind: i32,
+    /// 1: the forward renormalised the chosen weights.
+    pub renormalize: i32,
+    /// Sigmoid grouped: final scale of the weights.
+    pub routed_scaling_factor: f32,
+    /// `[T, E]` fp32 logits of the forward.
+    pub logits: *const f32,
+    /// `[T, k]` int32 ids of the forward.
+    pub topk_ids: *const i32,
+    /// `[T, k]` fp32 upstream gradient.
+    pub d_topk_weights: *const f32,
+    /// `[T, E]` fp32 out, every element written.
+    pub d_logits: *mut f32,
+}
+
+/// `moefuse_activation_args`: activation forward (`out = h`) or backward (`out = d_h_pre`)
+/// over the expert-major intermediate, bf16, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseActivationArgs {
+    /// `MOEFUSE_ACTIVATION_*`.
+    pub activation: i32,
+    /// `MOEFUSE_GATE_UP_*`.
+    pub layout: i32,
+    /// `I`.
+    pub intermediate: i32,
+    /// Rows the buffers hold; the row count is clamped to it.
+    pub max_rows: i32,
+    /// `SwiGluOai`'s sigmoid slope.
+    pub alpha: f32,
+    /// `SwiGluOai` / `BoundedSwiGlu` clamp.
+    pub limit: f32,
+    /// Device int32 row count, or null for `max_rows`.
+    pub total_rows: *const i32,
+    /// `[rows, W]` bf16.
+    pub h_pre: *const c_void,
+    /// Backward: `[rows, I]` bf16 upstream gradient; forward: unused.
+    pub dh: *const c_void,
+    /// Forward: `h [rows, I]`; backward: `d_h_pre [rows, W]`; bf16.
+    pub out: *mut c_void,
+}
+
+/// A MoE launcher (`moefuse_moe_<op>(args, stream)`), generic over its argument struct.
+pub type MoeLaunchFn<A> = unsafe extern "C" fn(*const A, *mut c_void) -> MoefuseStatus;
+
+#[cfg(moefuse_kernels_linked)]
+extern "C" {
+    /// `moefuse_moe_router_fwd(args, stream)`
+    pub fn moefuse_moe_router_fwd(
+        args: *const MoefuseRouterArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_router_bwd(args, stream)`
+    pub fn moefuse_moe_router_bwd(
+        args: *const MoefuseRouterBwdArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_activation_fwd(args, stream)`
+    pub fn moefuse_moe_activation_fwd(
+        args: *const MoefuseActivationArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_activation_bwd(args, stream)`
+    pub fn moefuse_moe_activation_bwd(
+        args: *const MoefuseActivationArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+}
+
 #[cfg(moefuse_kernels_linked)]
 extern "C" {
     /// `moefuse_abi_version()`
@@ -145,5 +276,33 @@ mod tests {
         assert_eq!(offset_of!(MoefuseGroupedGemmArgs, offsets), 24);
         assert_eq!(offset_of!(MoefuseGroupedGemmArgs, d), 48);
         assert_eq!(offset_of!(MoefuseGroupedGemmArgs, alpha), 56);
+    }
+    #[test]
+    fn router_args_layout_matches_abi_h() {
+        assert_eq!(size_of::<MoefuseRouterArgs>(), 64);
+        assert_eq!(align_of::<MoefuseRouterArgs>(), 8);
+        assert_eq!(offset_of!(MoefuseRouterArgs, renormalize), 24);
+        assert_eq!(offset_of!(MoefuseRouterArgs, routed_scaling_factor), 28);
+        assert_eq!(offset_of!(MoefuseRouterArgs, logits), 32);
+        assert_eq!(offset_of!(MoefuseRouterArgs, bias), 40);
+        assert_eq!(offset_of!(MoefuseRouterArgs, topk_ids), 48);
+        assert_eq!(offset_of!(MoefuseRouterArgs, topk_weights), 56);
+        assert_eq!(size_of::<MoefuseRouterBwdArgs>(), 56);
+        assert_eq!(offset_of!(MoefuseRouterBwdArgs, routed_scaling_factor), 20);
+        assert_eq!(offset_of!(MoefuseRouterBwdArgs, logits), 24);
+        assert_eq!(offset_of!(MoefuseRouterBwdArgs, topk_ids), 32);
+        assert_eq!(offset_of!(MoefuseRouterBwdArgs, d_topk_weights), 40);
+        assert_eq!(offset_of!(MoefuseRouterBwdArgs, d_logits), 48);
+    }
+
+    #[test]
+    fn activation_args_layout_matches_abi_h() {
+        assert_eq!(size_of::<MoefuseActivationArgs>(), 56);
+        assert_eq!(offset_of!(MoefuseActivationArgs, alpha), 16);
+        assert_eq!(offset_of!(MoefuseActivationArgs, limit), 20);
+        assert_eq!(offset_of!(MoefuseActivationArgs, total_rows), 24);
+        assert_eq!(offset_of!(MoefuseActivationArgs, h_pre), 32);
+        assert_eq!(offset_of!(MoefuseActivationArgs, dh), 40);
+        assert_eq!(offset_of!(MoefuseActivationArgs, out), 48);
     }
 }

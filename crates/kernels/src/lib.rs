@@ -11,6 +11,9 @@
 //! 2. [`built_archs`] says which targets were compiled.
 //! 3. [`launch_gemm`] is the one `unsafe` entry: it calls a variant's launcher and turns
 //!    its status into a [`KernelError`]. Safe wrappers live in `moefuse-grouped-gemm`.
+//! 4. The MoE kernels that are not GEMMs (router, activation; `kernels/moe/`) are one fat
+//!    object each (SASS for every built arch), so they have one launcher each, not one per
+//!    variant: [`launch_moe`] with a [`MoeArgs`]. Safe wrappers live in `moefuse` (`gpu`).
 //!
 //! ```
 //! for v in moefuse_kernels::compiled() {
@@ -199,6 +202,81 @@ pub unsafe fn launch_grouped(
     // SAFETY: forwarded from this function's contract.
     let raw = unsafe { run(args, workspace, workspace_bytes, stream) };
     status(variant, raw)
+}
+
+/// The arguments of one MoE kernel launch: which kernel, and its argument struct.
+#[derive(Debug, Clone, Copy)]
+pub enum MoeArgs<'a> {
+    /// `moefuse_moe_router_fwd`: logits to top-k ids and weights.
+    RouterForward(&'a ffi::MoefuseRouterArgs),
+    /// `moefuse_moe_router_bwd`: `d_logits` from `d_topk_weights`.
+    RouterBackward(&'a ffi::MoefuseRouterBwdArgs),
+    /// `moefuse_moe_activation_fwd`: `h` from `h_pre`.
+    ActivationForward(&'a ffi::MoefuseActivationArgs),
+    /// `moefuse_moe_activation_bwd`: `d_h_pre` from `dh` and `h_pre`.
+    ActivationBackward(&'a ffi::MoefuseActivationArgs),
+}
+
+impl MoeArgs<'_> {
+    /// The C launcher's name.
+    ///
+    /// ```
+    /// use moefuse_kernels::{ffi::MoefuseActivationArgs, MoeArgs};
+    /// let a = MoefuseActivationArgs { activation: 0, layout: 0, intermediate: 64, max_rows: 0,
+    ///     alpha: 0.0, limit: 0.0, total_rows: std::ptr::null(), h_pre: std::ptr::null(),
+    ///     dh: std::ptr::null(), out: std::ptr::null_mut() };
+    /// assert_eq!(MoeArgs::ActivationForward(&a).kernel(), "moefuse_moe_activation_fwd");
+    /// ```
+    pub fn kernel(&self) -> &'static str {
+        match self {
+            MoeArgs::RouterForward(_) => "moefuse_moe_router_fwd",
+            MoeArgs::RouterBackward(_) => "moefuse_moe_router_bwd",
+            MoeArgs::ActivationForward(_) => "moefuse_moe_activation_fwd",
+            MoeArgs::ActivationBackward(_) => "moefuse_moe_activation_bwd",
+        }
+    }
+}
+
+/// Launches the MoE kernel `args` names on `stream`. In a build without kernels it returns
+/// a `Launch` error with [`Status::ArchMismatch`] and launches nothing.
+///
+/// # Safety
+/// Every pointer inside `args` must address device memory of the current context valid for
+/// the extents abi.h gives for that kernel (router: `tokens x experts` logits and
+/// `tokens x top_k` ids and weights, `experts` bias; activation: `max_rows` rows of `W` and
+/// `I` bf16 and one int32 row count), until the kernel has finished on `stream`; `stream`
+/// must be a live stream of the current context, made current on this thread.
+pub unsafe fn launch_moe(args: MoeArgs<'_>, stream: *mut c_void) -> Result<(), KernelError> {
+    #[cfg(moefuse_kernels_linked)]
+    {
+        // SAFETY: forwarded from this function's contract; each launcher reads its argument
+        // struct (a valid reference for the call) and enqueues on `stream`.
+        let raw = unsafe {
+            match args {
+                MoeArgs::RouterForward(a) => ffi::moefuse_moe_router_fwd(a, stream),
+                MoeArgs::RouterBackward(a) => ffi::moefuse_moe_router_bwd(a, stream),
+                MoeArgs::ActivationForward(a) => ffi::moefuse_moe_activation_fwd(a, stream),
+                MoeArgs::ActivationBackward(a) => ffi::moefuse_moe_activation_bwd(a, stream),
+            }
+        };
+        if raw == ffi::MOEFUSE_STATUS_OK {
+            return Ok(());
+        }
+        Err(KernelError::Launch {
+            variant: args.kernel().to_string(),
+            status: Status::from_raw(raw),
+            message: last_error(),
+        })
+    }
+    #[cfg(not(moefuse_kernels_linked))]
+    {
+        let _ = stream;
+        Err(KernelError::Launch {
+            variant: args.kernel().to_string(),
+            status: Status::ArchMismatch,
+            message: "built without kernels (MOEFUSE_CUDA_ARCHS=none)".into(),
+        })
+    }
 }
 
 fn status(variant: &CompiledVariant, raw: MoefuseStatus) -> Result<(), KernelError> {

@@ -169,4 +169,82 @@ pub enum MoeError {
     /// A selection bias was given to a router that has none (only `SigmoidGrouped` uses it).
     #[error("a router bias was given, but only the SigmoidGrouped router uses one")]
     UnexpectedRouterBias,
+    /// A device buffer holds fewer elements than the call needs.
+    #[error("{what} holds {got} elements, the call needs {needed}")]
+    BufferTooSmall {
+        /// Which buffer, with its shape in words.
+        what: &'static str,
+        /// The elements the call reads or writes.
+        needed: usize,
+        /// The buffer's length.
+        got: usize,
+    },
+    /// A size is beyond what the kernels index.
+    #[error("{what} = {value} exceeds the kernels' limit {max}")]
+    TooLarge {
+        /// Which size.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// The largest accepted.
+        max: usize,
+    },
+    /// A device buffer lives on another device than the stream.
+    #[error("{what} is on device {buffer}, the stream on device {stream}")]
+    DeviceMismatch {
+        /// Which buffer.
+        what: &'static str,
+        /// The buffer's device ordinal.
+        buffer: usize,
+        /// The stream's device ordinal.
+        stream: usize,
+    },
+    /// The device's architecture has no kernels in this build.
+    #[error(
+        "device has compute capability {major}.{minor}; moefuse's kernels were built for [{built}] \
+         (MOEFUSE_CUDA_ARCHS; supported: 90a, 100a)"
+    )]
+    ArchNotBuilt {
+        /// The device's compute capability, major.
+        major: i32,
+        /// The device's compute capability, minor.
+        minor: i32,
+        /// The targets this build compiled.
+        built: String,
+    },
+    /// A kernel launcher (or the kernel library's ABI check) failed.
+    #[error("{kernel} failed ({status:?}): {message}")]
+    Kernel {
+        /// The launcher.
+        kernel: String,
+        /// The ABI status.
+        status: moefuse_kernels::Status,
+        /// The library's message.
+        message: String,
+    },
+    /// The CUDA driver reported an error.
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+}
+
+impl From<moefuse_kernels::KernelError> for MoeError {
+    fn from(e: moefuse_kernels::KernelError) -> Self {
+        use moefuse_kernels::{KernelError, Status};
+        match e {
+            KernelError::Launch {
+                variant,
+                status,
+                message,
+            } => MoeError::Kernel {
+                kernel: variant,
+                status,
+                message,
+            },
+            other => MoeError::Kernel {
+                kernel: "moefuse-kernels".into(),
+                status: Status::Internal,
+                message: other.to_string(),
+            },
+        }
+    }
 }

@@ -25,6 +25,13 @@
 //! flow through softmax / sigmoid, renormalisation and scaling). Weight gradients can be
 //! accumulated across micro-batches ([`reference::backward_into`]).
 //!
+//! # On the GPU
+//!
+//! [`gpu`] holds the layer's first GPU pieces that are not GEMMs, on cudarc streams and
+//! device buffers, tested against this crate's CPU reference: the router forward and
+//! backward ([`gpu::route`], [`gpu::route_backward`]) and the activation over the
+//! expert-major intermediate ([`gpu::activation_forward`], [`gpu::activation_backward`]).
+//!
 //! # Using it
 //!
 //! 1. Build a [`MoeConfig`] and [`validate`](MoeConfig::validate) it ([`MoeError`] names
@@ -57,6 +64,7 @@
 
 mod config;
 mod error;
+pub mod gpu;
 pub mod reference;
 
 pub use config::{

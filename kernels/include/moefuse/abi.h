@@ -17,7 +17,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct layout or launcher signature changes. */
-#define MOEFUSE_ABI_VERSION 2
+#define MOEFUSE_ABI_VERSION 3
 
 typedef enum moefuse_status {
   MOEFUSE_STATUS_OK = 0,
@@ -100,6 +100,113 @@ typedef struct moefuse_grouped_gemm_args {
   float alpha;
   float beta;
 } moefuse_grouped_gemm_args;
+
+/* ---- MoE layer pieces that are not GEMMs (kernels/moe/): router and activation. ----
+ * Plain CUDA C++, compiled once for every built arch into one fat object, so each has a
+ * single launcher `moefuse_moe_<op>(args, stream)`; on a device none of the built archs
+ * runs, the launch reports MOEFUSE_STATUS_ARCH_MISMATCH. No workspace. */
+
+/* How moefuse_router_args chooses experts (the Rust RouterKind). */
+typedef enum moefuse_router_kind {
+  /* p = softmax(logits) over all experts; top-k by logit (ties: lower id); weight p_e,
+     divided by the chosen experts' sum of p when renormalize. */
+  MOEFUSE_ROUTER_SOFTMAX_TOPK = 0,
+  /* DeepSeek-V3: s = sigmoid(logits), selection score s_e + bias[e]; n_group groups of
+     experts/n_group consecutive ids scored by the sum of their top 2; the topk_group best
+     groups kept (ties: lower group); top-k experts by selection score among them (ties:
+     lower id); weight s_e (no bias), divided by the chosen sum when renormalize, then times
+     routed_scaling_factor. */
+  MOEFUSE_ROUTER_SIGMOID_GROUPED = 1
+} moefuse_router_kind;
+
+/*
+ * Router forward: logits [tokens, experts] fp32 -> topk_ids [tokens, top_k] int32 and
+ * topk_weights [tokens, top_k] fp32, all row-major device memory; slot 0 is each token's
+ * best expert. Scores and weights are computed in fp64 and rounded once to fp32.
+ * 1 <= experts <= 512, 1 <= top_k <= min(16, experts); sigmoid grouped: n_group divides
+ * experts with >= 2 experts per group, 1 <= topk_group <= n_group,
+ * top_k <= topk_group * experts / n_group. bias: [experts] fp32 or NULL (zeros), sigmoid
+ * grouped only. tokens == 0 launches nothing. Logits and bias must be finite.
+ */
+typedef struct moefuse_router_args {
+  int32_t tokens;
+  int32_t experts;
+  int32_t top_k;
+  int32_t kind; /* moefuse_router_kind */
+  int32_t n_group;    /* sigmoid grouped; ignored by softmax */
+  int32_t topk_group; /* sigmoid grouped; ignored by softmax */
+  int32_t renormalize; /* 0 or 1 */
+  float routed_scaling_factor; /* sigmoid grouped; ignored by softmax */
+  const float* logits;
+  const float* bias;
+  int32_t* topk_ids;
+  float* topk_weights;
+} moefuse_router_args;
+
+/*
+ * Router backward, the selection held constant: d_logits [tokens, experts] fp32 (every
+ * element written) from d_topk_weights [tokens, top_k] fp32, the forward's logits and its
+ * topk_ids (distinct within a token; ids outside 0..experts are ignored). Softmax:
+ * d_l_i = p_i (g_i - sum_j g_j p_j), g = dL/dp on the chosen experts (through the
+ * renormalisation if any). Sigmoid grouped: d_l = dL/ds * s (1 - s) on the chosen experts,
+ * zero elsewhere (the bias gets no gradient). Sizes as for the forward; fp64 inside.
+ */
+typedef struct moefuse_router_bwd_args {
+  int32_t tokens;
+  int32_t experts;
+  int32_t top_k;
+  int32_t kind; /* moefuse_router_kind */
+  int32_t renormalize;
+  float routed_scaling_factor;
+  const float* logits;
+  const int32_t* topk_ids;
+  const float* d_topk_weights;
+  float* d_logits;
+} moefuse_router_bwd_args;
+
+/* The expert MLP's activation (the Rust Activation). g = gate, u = up, x = the one input
+   of RELU2; alpha and limit come from moefuse_activation_args. */
+typedef enum moefuse_activation {
+  MOEFUSE_ACTIVATION_SWIGLU = 0,         /* silu(g) u */
+  MOEFUSE_ACTIVATION_GEGLU = 1,          /* gelu_tanh(g) u */
+  MOEFUSE_ACTIVATION_SWIGLU_OAI = 2,     /* g' sigmoid(alpha g') (u' + 1), clamped */
+  MOEFUSE_ACTIVATION_BOUNDED_SWIGLU = 3, /* silu(g') u', clamped */
+  MOEFUSE_ACTIVATION_RELU2 = 4           /* relu(x)^2, not gated */
+} moefuse_activation;
+
+/* Where gate and up sit in a gated row of width 2I (ignored by RELU2). */
+typedef enum moefuse_gate_up_layout {
+  MOEFUSE_GATE_UP_SPLIT = 0,      /* g_j = row[j], u_j = row[I + j] */
+  MOEFUSE_GATE_UP_INTERLEAVED = 1 /* g_j = row[2j], u_j = row[2j + 1] */
+} moefuse_gate_up_layout;
+
+/*
+ * Activation over the expert-major intermediate, fp32 math, bf16 in and out, row-major:
+ *   forward:  out = h [rows, I] from h_pre [rows, W]        (dh unused, may be NULL)
+ *   backward: out = d_h_pre [rows, W] from dh [rows, I] and h_pre [rows, W], recomputing
+ *             the activation; the gradient of an input is 0 where its clamp is active.
+ * W = 2I for gated activations, I for RELU2. rows = *total_rows (device int32, e.g.
+ * offsets[E-1] of the prefix-sum offsets, so no host synchronisation) clamped to
+ * [0, max_rows], or max_rows when total_rows is NULL; rows past it are left untouched.
+ * Buffers hold max_rows rows. limit: SWIGLU_OAI, BOUNDED_SWIGLU (> 0); alpha: SWIGLU_OAI.
+ */
+typedef struct moefuse_activation_args {
+  int32_t activation; /* moefuse_activation */
+  int32_t layout;     /* moefuse_gate_up_layout */
+  int32_t intermediate; /* I >= 1 */
+  int32_t max_rows;     /* >= 0 */
+  float alpha;
+  float limit;
+  const int32_t* total_rows;
+  const void* h_pre;
+  const void* dh;
+  void* out;
+} moefuse_activation_args;
+
+moefuse_status moefuse_moe_router_fwd(const moefuse_router_args* args, void* stream);
+moefuse_status moefuse_moe_router_bwd(const moefuse_router_bwd_args* args, void* stream);
+moefuse_status moefuse_moe_activation_fwd(const moefuse_activation_args* args, void* stream);
+moefuse_status moefuse_moe_activation_bwd(const moefuse_activation_args* args, void* stream);
 
 /* The ABI version the library was built with (MOEFUSE_ABI_VERSION). */
 uint32_t moefuse_abi_version(void);

@@ -1,0 +1,94 @@
+//! The layer's GPU kernels that are not GEMMs, on cudarc streams and device buffers.
+//!
+//! 1. [`route`] computes `topk_ids [T, k]` and `topk_weights [T, k]` from router logits
+//!    `[T, E]` as [`reference::route`](crate::reference::route) defines them;
+//!    [`route_backward`] computes `d_logits [T, E]` from `d_topk_weights [T, k]`.
+//! 2. [`activation_forward`] computes `h [rows, I]` from `h_pre [rows, W]` (bf16, fp32
+//!    math) for an [`ActivationDesc`]; [`activation_backward`] computes `d_h_pre [rows, W]`
+//!    from `dh [rows, I]` and `h_pre`. [`Rows`] gives the row count on the host or in device
+//!    memory (the last prefix-sum offset), so no call synchronises with the host.
+//!
+//! Every call checks sizes, buffer lengths and devices before anything is launched and
+//! returns a [`MoeError`] naming what is wrong; outputs are caller-owned, so calls can be
+//! captured in CUDA graphs. The kernels are one fat object per file (SASS for each arch in
+//! `MOEFUSE_CUDA_ARCHS`).
+//!
+//! ```no_run
+//! use moefuse::{gpu, MoeConfig};
+//! let ctx = cudarc::driver::CudaContext::new(0)?;
+//! let stream = ctx.default_stream();
+//! let cfg = MoeConfig::new(64, 64, 8, 2);
+//! let logits = stream.clone_htod(&[0.5f32; 3 * 8])?;
+//! let mut ids = stream.alloc_zeros::<i32>(3 * 2)?;
+//! let mut weights = stream.alloc_zeros::<f32>(3 * 2)?;
+//! gpu::route(&cfg, &stream, 3, &logits, None, &mut ids, &mut weights)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod activation;
+mod router;
+
+pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
+pub use router::{route, route_backward};
+
+use crate::MoeError;
+use cudarc::driver::{CudaStream, DeviceSlice};
+
+/// `buffer` holds at least `needed` elements and lives on `stream`'s device.
+pub(crate) fn check_buffer<T>(
+    what: &'static str,
+    buffer: &(impl DeviceSlice<T> + ?Sized),
+    needed: usize,
+    stream: &CudaStream,
+) -> Result<(), MoeError> {
+    if buffer.len() < needed {
+        return Err(MoeError::BufferTooSmall {
+            what,
+            needed,
+            got: buffer.len(),
+        });
+    }
+    let (have, want) = (
+        buffer.stream().context().ordinal(),
+        stream.context().ordinal(),
+    );
+    if have != want {
+        return Err(MoeError::DeviceMismatch {
+            what,
+            buffer: have,
+            stream: want,
+        });
+    }
+    Ok(())
+}
+
+/// `value <= max`, else [`MoeError::TooLarge`].
+pub(crate) fn check_max(what: &'static str, value: usize, max: usize) -> Result<(), MoeError> {
+    if value > max {
+        return Err(MoeError::TooLarge { what, value, max });
+    }
+    Ok(())
+}
+
+/// The last host-side checks before a launch: the kernel library's ABI, a built arch for
+/// the stream's device, and that device's context made current on this thread.
+pub(crate) fn prepare_device(stream: &CudaStream) -> Result<(), MoeError> {
+    moefuse_kernels::check_abi()?;
+    let ctx = stream.context();
+    let (major, minor) = ctx.compute_capability()?;
+    let arch = match (major, minor) {
+        (9, 0) => "sm90a",
+        (10, 0) => "sm100a",
+        _ => "",
+    };
+    let built = moefuse_kernels::built_archs();
+    if !built.contains(&arch) {
+        return Err(MoeError::ArchNotBuilt {
+            major,
+            minor,
+            built: built.join(","),
+        });
+    }
+    ctx.bind_to_thread()?;
+    Ok(())
+}

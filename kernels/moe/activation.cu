@@ -1,0 +1,324 @@
+// Activation forward and backward over the expert-major intermediate
+// (kernels/include/moefuse/abi.h: moefuse_activation_args): bf16 in and out, fp32 math,
+// the formulas of the CPU reference's `reference::activation`.
+//
+// thread | work
+// -------+------------------------------------------------------------------------------
+// each   | grid-stride over (row, chunk of V output columns) for rows < *total_rows;
+//        | V = 8 (16-byte loads and stores) when I % 8 == 0 and the buffers are 16-byte
+//        | aligned, else V = 1
+//
+// NOTES: the row count is read on the device (the last prefix-sum offset), so the grid is
+// sized for the capacity and threads past the real rows do nothing; rows past the count are
+// never touched.
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "moefuse/moe/common.cuh"
+
+namespace moefuse::moe {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 4096;
+
+// bf16 <-> fp32 through bits: a bf16 is the upper half of an fp32.
+__device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b) { return bf16_bits(a) | (bf16_bits(b) << 16); }
+
+__device__ __forceinline__ void unpack8(uint4 q, float (&f)[8], int at) {
+  f[at + 0] = lo_bf16(q.x);
+  f[at + 1] = hi_bf16(q.x);
+  f[at + 2] = lo_bf16(q.y);
+  f[at + 3] = hi_bf16(q.y);
+  f[at + 4] = lo_bf16(q.z);
+  f[at + 5] = hi_bf16(q.z);
+  f[at + 6] = lo_bf16(q.w);
+  f[at + 7] = hi_bf16(q.w);
+}
+// Interleaved (g, u, g, u, ...) halves of 16 values.
+__device__ __forceinline__ void unpack8_pairs(uint4 q, float (&g)[8], float (&u)[8], int at) {
+  g[at + 0] = lo_bf16(q.x);
+  u[at + 0] = hi_bf16(q.x);
+  g[at + 1] = lo_bf16(q.y);
+  u[at + 1] = hi_bf16(q.y);
+  g[at + 2] = lo_bf16(q.z);
+  u[at + 2] = hi_bf16(q.z);
+  g[at + 3] = lo_bf16(q.w);
+  u[at + 3] = hi_bf16(q.w);
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[8], int at) {
+  return make_uint4(pack2(f[at + 0], f[at + 1]), pack2(f[at + 2], f[at + 3]),
+                    pack2(f[at + 4], f[at + 5]), pack2(f[at + 6], f[at + 7]));
+}
+__device__ __forceinline__ uint4 pack8_pairs(const float (&g)[8], const float (&u)[8], int at) {
+  return make_uint4(pack2(g[at + 0], u[at + 0]), pack2(g[at + 1], u[at + 1]),
+                    pack2(g[at + 2], u[at + 2]), pack2(g[at + 3], u[at + 3]));
+}
+
+// ---- The activations (value and partials), as in reference::activation. ----
+
+struct Point {
+  float h, dg, du;
+};
+
+__device__ __forceinline__ float sigmoidf_(float x) {
+  if (x >= 0.f) return 1.f / (1.f + expf(-x));
+  float e = expf(x);
+  return e / (1.f + e);
+}
+
+__device__ __forceinline__ Point eval(int act, float alpha, float limit, float g, float u) {
+  switch (act) {
+    case MOEFUSE_ACTIVATION_SWIGLU: {
+      float s = sigmoidf_(g);
+      float silu = g * s, dsilu = s * (1.f + g * (1.f - s));
+      return {silu * u, dsilu * u, silu};
+    }
+    case MOEFUSE_ACTIVATION_GEGLU: {
+      constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+      float t = tanhf(kSqrt2OverPi * (g + kCubic * g * g * g));
+      float dinner = kSqrt2OverPi * (1.f + 3.f * kCubic * g * g);
+      float gelu = 0.5f * g * (1.f + t);
+      float dgelu = 0.5f * (1.f + t) + 0.5f * g * (1.f - t * t) * dinner;
+      return {gelu * u, dgelu * u, gelu};
+    }
+    case MOEFUSE_ACTIVATION_SWIGLU_OAI: {
+      bool g_clamped = g > limit, u_clamped = u > limit || u < -limit;
+      float gc = g_clamped ? limit : g;
+      float uc = u > limit ? limit : (u < -limit ? -limit : u);
+      float s = sigmoidf_(alpha * gc);
+      float glu = gc * s, dglu = s + gc * alpha * s * (1.f - s);
+      return {glu * (uc + 1.f), g_clamped ? 0.f : dglu * (uc + 1.f), u_clamped ? 0.f : glu};
+    }
+    case MOEFUSE_ACTIVATION_BOUNDED_SWIGLU: {
+      bool g_clamped = g > limit, u_clamped = u > limit || u < -limit;
+      float gc = g_clamped ? limit : g;
+      float uc = u > limit ? limit : (u < -limit ? -limit : u);
+      float s = sigmoidf_(gc);
+      float silu = gc * s, dsilu = s * (1.f + gc * (1.f - s));
+      return {silu * uc, g_clamped ? 0.f : dsilu * uc, u_clamped ? 0.f : silu};
+    }
+    default: {  // MOEFUSE_ACTIVATION_RELU2
+      float r = g > 0.f ? g : 0.f;
+      return {r * r, 2.f * r, 0.f};
+    }
+  }
+}
+
+using bf16 = __nv_bfloat16;
+
+struct Problem {
+  int act, layout, inter;
+  float alpha, limit;
+  bool gated;
+};
+
+__device__ __forceinline__ int rows_of(const int32_t* total_rows, int max_rows) {
+  if (total_rows == nullptr) return max_rows;
+  int r = *total_rows;
+  return r < 0 ? 0 : (r > max_rows ? max_rows : r);
+}
+
+// Loads the V (g, u) pairs of output columns [j0, j0 + V) of `row` (u = 0 for RELU2).
+template <int V>
+__device__ __forceinline__ void load_pairs(const Problem& p, const bf16* row, int j0,
+                                           float (&g)[V], float (&u)[V]) {
+  if constexpr (V == 8) {
+    if (!p.gated) {
+      unpack8(*reinterpret_cast<const uint4*>(row + j0), g, 0);
+#pragma unroll
+      for (int v = 0; v < 8; ++v) u[v] = 0.f;
+    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
+      unpack8(*reinterpret_cast<const uint4*>(row + j0), g, 0);
+      unpack8(*reinterpret_cast<const uint4*>(row + p.inter + j0), u, 0);
+    } else {
+      const uint4* q = reinterpret_cast<const uint4*>(row + 2 * j0);
+      unpack8_pairs(q[0], g, u, 0);
+      unpack8_pairs(q[1], g, u, 4);
+    }
+  } else {
+    static_assert(V == 1, "V is 1 or 8");
+    if (!p.gated) {
+      g[0] = __bfloat162float(row[j0]);
+      u[0] = 0.f;
+    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
+      g[0] = __bfloat162float(row[j0]);
+      u[0] = __bfloat162float(row[p.inter + j0]);
+    } else {
+      g[0] = __bfloat162float(row[2 * j0]);
+      u[0] = __bfloat162float(row[2 * j0 + 1]);
+    }
+  }
+}
+
+// Stores V values of each of `dg`, `du` where their inputs sat (du ignored for RELU2).
+template <int V>
+__device__ __forceinline__ void store_pairs(const Problem& p, bf16* row, int j0,
+                                            const float (&dg)[V], const float (&du)[V]) {
+  if constexpr (V == 8) {
+    if (!p.gated) {
+      *reinterpret_cast<uint4*>(row + j0) = pack8(dg, 0);
+    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
+      *reinterpret_cast<uint4*>(row + j0) = pack8(dg, 0);
+      *reinterpret_cast<uint4*>(row + p.inter + j0) = pack8(du, 0);
+    } else {
+      uint4* q = reinterpret_cast<uint4*>(row + 2 * j0);
+      q[0] = pack8_pairs(dg, du, 0);
+      q[1] = pack8_pairs(dg, du, 4);
+    }
+  } else {
+    if (!p.gated) {
+      row[j0] = __float2bfloat16_rn(dg[0]);
+    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
+      row[j0] = __float2bfloat16_rn(dg[0]);
+      row[p.inter + j0] = __float2bfloat16_rn(du[0]);
+    } else {
+      row[2 * j0] = __float2bfloat16_rn(dg[0]);
+      row[2 * j0 + 1] = __float2bfloat16_rn(du[0]);
+    }
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kThreads)
+    activation_fwd_kernel(Problem p, int max_rows, const int32_t* total_rows,
+                          const bf16* __restrict__ h_pre, bf16* __restrict__ h) {
+  const int64_t rows = rows_of(total_rows, max_rows);
+  const int64_t chunks = p.inter / V, width = p.gated ? 2 * int64_t(p.inter) : p.inter;
+  const int64_t n = rows * chunks;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / chunks;
+    const int j0 = int(i - r * chunks) * V;
+    float g[V], u[V], out[V];
+    load_pairs<V>(p, h_pre + r * width, j0, g, u);
+#pragma unroll
+    for (int v = 0; v < V; ++v) out[v] = eval(p.act, p.alpha, p.limit, g[v], u[v]).h;
+    bf16* dst = h + r * p.inter + j0;
+    if constexpr (V == 8) {
+      *reinterpret_cast<uint4*>(dst) = pack8(out, 0);
+    } else {
+      dst[0] = __float2bfloat16_rn(out[0]);
+    }
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kThreads)
+    activation_bwd_kernel(Problem p, int max_rows, const int32_t* total_rows,
+                          const bf16* __restrict__ h_pre, const bf16* __restrict__ dh,
+                          bf16* __restrict__ d_h_pre) {
+  const int64_t rows = rows_of(total_rows, max_rows);
+  const int64_t chunks = p.inter / V, width = p.gated ? 2 * int64_t(p.inter) : p.inter;
+  const int64_t n = rows * chunks;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / chunks;
+    const int j0 = int(i - r * chunks) * V;
+    float g[V], u[V], d[V], dg[V], du[V];
+    load_pairs<V>(p, h_pre + r * width, j0, g, u);
+    const bf16* src = dh + r * p.inter + j0;
+    if constexpr (V == 8) {
+      unpack8(*reinterpret_cast<const uint4*>(src), d, 0);
+    } else {
+      d[0] = __bfloat162float(src[0]);
+    }
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      Point pt = eval(p.act, p.alpha, p.limit, g[v], u[v]);
+      dg[v] = d[v] * pt.dg;
+      du[v] = d[v] * pt.du;
+    }
+    store_pairs<V>(p, d_h_pre + r * width, j0, dg, du);
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+moefuse_status check(const moefuse_activation_args* a, const char* name, bool backward) {
+  if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
+  if (a->activation < MOEFUSE_ACTIVATION_SWIGLU || a->activation > MOEFUSE_ACTIVATION_RELU2) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: unknown activation %d", name, a->activation);
+  }
+  if (a->layout != MOEFUSE_GATE_UP_SPLIT && a->layout != MOEFUSE_GATE_UP_INTERLEAVED) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: unknown gate/up layout %d", name, a->layout);
+  }
+  if (a->intermediate < 1 || a->max_rows < 0 || a->intermediate > (1 << 29)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: intermediate=%d max_rows=%d", name,
+                a->intermediate, a->max_rows);
+  }
+  if (a->h_pre == nullptr || a->out == nullptr || (backward && a->dh == nullptr)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer (h_pre=%p dh=%p out=%p)", name,
+                a->h_pre, a->dh, a->out);
+  }
+  if ((reinterpret_cast<uintptr_t>(a->h_pre) | reinterpret_cast<uintptr_t>(a->out) |
+       reinterpret_cast<uintptr_t>(backward ? a->dh : nullptr)) & 1u) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: bf16 buffers must be 2-byte aligned", name);
+  }
+  if (a->total_rows != nullptr && (reinterpret_cast<uintptr_t>(a->total_rows) & 3u)) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: total_rows must be 4-byte aligned", name);
+  }
+  return MOEFUSE_STATUS_OK;
+}
+
+Problem problem_of(const moefuse_activation_args& a) {
+  return Problem{a.activation, a.layout, a.intermediate, a.alpha, a.limit,
+                 a.activation != MOEFUSE_ACTIVATION_RELU2};
+}
+
+int blocks_for(int64_t work) {
+  int64_t b = (work + kThreads - 1) / kThreads;
+  return int(b < kMaxBlocks ? (b < 1 ? 1 : b) : kMaxBlocks);
+}
+
+}  // namespace
+}  // namespace moefuse::moe
+
+using namespace moefuse::moe;
+
+extern "C" moefuse_status moefuse_moe_activation_fwd(const moefuse_activation_args* a,
+                                                      void* stream) {
+  const char* name = "moefuse_moe_activation_fwd";
+  moefuse_status st = check(a, name, false);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  if (a->max_rows == 0) return MOEFUSE_STATUS_OK;
+  const Problem p = problem_of(*a);
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto* in = static_cast<const __nv_bfloat16*>(a->h_pre);
+  auto* out = static_cast<__nv_bfloat16*>(a->out);
+  if (a->intermediate % 8 == 0 && aligned16(in) && aligned16(out)) {
+    activation_fwd_kernel<8><<<blocks_for(int64_t(a->max_rows) * (a->intermediate / 8)), kThreads,
+                               0, s>>>(p, a->max_rows, a->total_rows, in, out);
+  } else {
+    activation_fwd_kernel<1><<<blocks_for(int64_t(a->max_rows) * a->intermediate), kThreads, 0,
+                               s>>>(p, a->max_rows, a->total_rows, in, out);
+  }
+  return after_launch(name);
+}
+
+extern "C" moefuse_status moefuse_moe_activation_bwd(const moefuse_activation_args* a,
+                                                      void* stream) {
+  const char* name = "moefuse_moe_activation_bwd";
+  moefuse_status st = check(a, name, true);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  if (a->max_rows == 0) return MOEFUSE_STATUS_OK;
+  const Problem p = problem_of(*a);
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto* in = static_cast<const __nv_bfloat16*>(a->h_pre);
+  const auto* dh = static_cast<const __nv_bfloat16*>(a->dh);
+  auto* out = static_cast<__nv_bfloat16*>(a->out);
+  if (a->intermediate % 8 == 0 && aligned16(in) && aligned16(dh) && aligned16(out)) {
+    activation_bwd_kernel<8><<<blocks_for(int64_t(a->max_rows) * (a->intermediate / 8)), kThreads,
+                               0, s>>>(p, a->max_rows, a->total_rows, in, dh, out);
+  } else {
+    activation_bwd_kernel<1><<<blocks_for(int64_t(a->max_rows) * a->intermediate), kThreads, 0,
+                               s>>>(p, a->max_rows, a->total_rows, in, dh, out);
+  }
+  return after_launch(name);
+}
