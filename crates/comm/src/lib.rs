@@ -34,6 +34,7 @@ mod plan;
 mod raw;
 mod runtime;
 mod selftest;
+mod stream_ops;
 mod team;
 
 pub use bootstrap::{
@@ -44,6 +45,7 @@ pub use ep::{Dispatch, EpConfig, ExpertParallel, RoutingFlags, MAX_EXPERTS, MAX_
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
 pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
+pub use stream_ops::{quiet_on_stream, Signal, SignalOp};
 pub use team::Team;
 
 /// Everything the communication layer rejects, with the offending values.

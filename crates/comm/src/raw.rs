@@ -162,3 +162,98 @@ pub(crate) fn init_with_default_bootstrap(lib: &NvshmemHost) -> i32 {
     // struct that lives across the call.
     unsafe { lib.nvshmemx_hostlib_init_attr(0, &mut attr) }
 }
+
+/// `NVSHMEM_SIGNAL_SET` / `NVSHMEM_SIGNAL_ADD` (nvshmem_common_transport.h).
+pub(crate) const SIGNAL_SET: i32 = 9;
+pub(crate) const SIGNAL_ADD: i32 = 10;
+/// `NVSHMEM_CMP_GE` (nvshmem_constants.h).
+pub(crate) const CMP_GE: i32 = 5;
+
+/// Stream-ordered put of `bytes` from local `src` to symmetric `dst` on `pe`, then (when
+/// `sig` is non-null) `sig` on `pe` updated by `op` with `value` after the data.
+///
+/// # Safety
+/// `dst` (symmetric) and `src` (device memory) hold `bytes`; `sig` is null or a symmetric
+/// u64; `pe` is a valid PE; `stream` is a live stream of NVSHMEM's context; all stay valid
+/// until the stream passes this operation.
+pub(crate) unsafe fn put_signal_on_stream(
+    lib: &NvshmemHost,
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    sig: *mut u64,
+    value: u64,
+    op: i32,
+    pe: i32,
+    stream: *mut c_void,
+) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        if sig.is_null() {
+            lib.nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream as _)
+        } else {
+            lib.nvshmemx_putmem_signal_on_stream(dst, src, bytes, sig, value, op, pe, stream as _)
+        }
+    }
+}
+
+/// Stream-ordered get of `bytes` from symmetric `src` on `pe` into local `dst`.
+///
+/// # Safety
+/// As for [`put_signal_on_stream`], with the roles of the buffers swapped.
+pub(crate) unsafe fn get_on_stream(
+    lib: &NvshmemHost,
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    pe: i32,
+    stream: *mut c_void,
+) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { lib.nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream as _) }
+}
+
+/// The stream waits until the local symmetric `sig` is >= `value`.
+///
+/// # Safety
+/// `sig` is a symmetric u64 of this runtime; `stream` a live stream of its context.
+pub(crate) unsafe fn wait_ge_on_stream(
+    lib: &NvshmemHost,
+    sig: *mut u64,
+    value: u64,
+    stream: *mut c_void,
+) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { lib.nvshmemx_signal_wait_until_on_stream(sig, CMP_GE, value, stream as _) }
+}
+
+/// Completes this PE's outstanding stream-ordered puts (ordered on `stream`).
+///
+/// # Safety
+/// `stream` is a live stream of NVSHMEM's context.
+pub(crate) unsafe fn quiet_on_stream(lib: &NvshmemHost, stream: *mut c_void) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { lib.nvshmemx_quiet_on_stream(stream as _) }
+}
+
+/// Zeroes `bytes` at device address `ptr` on `stream`.
+pub(crate) fn memset_zero(
+    ptr: u64,
+    bytes: usize,
+    stream: &cudarc::driver::CudaStream,
+) -> Result<(), crate::CommError> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: callers pass a live allocation of at least `bytes` bytes (a symmetric buffer
+    // they own); the memset is ordered on `stream`.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(
+            ptr as cudarc::driver::sys::CUdeviceptr,
+            0,
+            bytes,
+            stream.cu_stream(),
+        )
+    }
+    .map_err(|e| crate::CommError::Cuda(e.to_string()))
+}

@@ -224,6 +224,19 @@ impl Runtime {
         })
     }
 
+    /// [`Runtime::alloc`], then zero-filled on `stream` and followed by a barrier on it, so
+    /// no peer can write into the buffer before it is zeroed everywhere (collective).
+    pub fn alloc_zeroed<T: Copy>(
+        self: &Arc<Self>,
+        len: usize,
+        stream: &CudaStream,
+    ) -> Result<SymmetricBuffer<T>, CommError> {
+        let buf = self.alloc::<T>(len)?;
+        raw::memset_zero(buf.device_ptr(), len * std::mem::size_of::<T>(), stream)?;
+        self.barrier_on_stream(stream);
+        Ok(buf)
+    }
+
     /// A barrier over all ranks, ordered on `stream`.
     pub fn barrier_on_stream(&self, stream: &CudaStream) {
         raw::barrier_all_on_stream(&self.lib.0, stream.cu_stream() as *mut std::ffi::c_void);
@@ -266,6 +279,11 @@ impl<T> SymmetricBuffer<T> {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The runtime the buffer lives on.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
     }
 
     /// This rank's device address of the buffer.

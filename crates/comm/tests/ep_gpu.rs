@@ -13,8 +13,9 @@
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use moefuse_comm::{
-    exchange_unique_id, launch, CommError, EpConfig, ExpertParallel, LaunchEnv, LaunchEvent,
-    LaunchSpec, Library, ReceiveLayout, Runtime, SendPlan, Team, UniqueId,
+    exchange_unique_id, launch, quiet_on_stream, CommError, EpConfig, ExpertParallel, LaunchEnv,
+    LaunchEvent, LaunchSpec, Library, ReceiveLayout, Runtime, SendPlan, Signal, SignalOp, Team,
+    UniqueId,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -351,6 +352,58 @@ fn check_teams(
     }
 }
 
+/// Stream-ordered put with signal, wait, and get around the ring.
+fn check_stream_ops(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> Result<(), String> {
+    let (me, n) = (rt.rank(), rt.ranks());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let len = 3001;
+    let pattern = |r: usize| {
+        (0..len)
+            .map(|i| (r * 10_000 + i) as f32)
+            .collect::<Vec<f32>>()
+    };
+    let buf = rt.alloc_zeroed::<f32>(len + 7, stream).map_err(e)?;
+    let sig = rt.alloc_zeroed::<u64>(2, stream).map_err(e)?;
+    let src = stream.clone_htod(&pattern(me)).map_err(e)?;
+    let signal = Signal {
+        buffer: &sig,
+        index: 1,
+        value: 5,
+        op: SignalOp::Add,
+    };
+    buf.put_on_stream(stream, &src, 7, next, Some(signal))
+        .map_err(e)?;
+    sig.wait_ge_on_stream(stream, 1, 5).map_err(e)?;
+    let mut mine = stream.alloc_zeros::<f32>(len).map_err(e)?;
+    buf.get_on_stream(stream, &mut mine, 7, me).map_err(e)?;
+    rt.barrier_on_stream(stream);
+    let mut theirs = stream.alloc_zeros::<f32>(len).map_err(e)?;
+    buf.get_on_stream(stream, &mut theirs, 7, next).map_err(e)?;
+    quiet_on_stream(rt, stream);
+    rt.barrier_on_stream(stream);
+    if stream.clone_dtoh(&mine).map_err(e)? != pattern(prev) {
+        return Err(format!("rank {me}: put_on_stream from {prev} did not land"));
+    }
+    if stream.clone_dtoh(&theirs).map_err(e)? != pattern(me) {
+        return Err(format!(
+            "rank {me}: get_on_stream from {next} read the wrong data"
+        ));
+    }
+    match buf.put_on_stream(stream, &src, 8, next, None) {
+        Err(CommError::BufferTooSmall { .. }) => {}
+        other => return Err(format!("put past the end: {other:?}")),
+    }
+    match buf.put_on_stream(stream, &src, 0, n, None) {
+        Err(CommError::Rank { .. }) => Ok(()),
+        other => Err(format!("put to PE {n}: {other:?}")),
+    }
+}
+
+fn stream_ops_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let s = shared(ctx)?;
+    check_stream_ops(&s.rt, &s.stream)
+}
+
 fn teams_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let s = shared(ctx)?;
     check_teams(&s.rt, &s.stream, false)
@@ -503,6 +556,13 @@ fn misuse_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
             Ok(_) => return Err(format!("{what}: accepted {bad:?}")),
         }
     }
+    // A second runtime in the same process is refused.
+    let lib = Library::load(None).map_err(e)?;
+    let id = UniqueId::create(&lib).map_err(e)?;
+    match Runtime::init(&lib, s.rt.context(), &id, 0, 1) {
+        Err(CommError::AlreadyInitialised) => {}
+        other => return Err(format!("second init: {:?}", other.map(|_| ()))),
+    }
     let mut ep = ExpertParallel::new(&s.rt, stream, base).map_err(e)?;
     let x = upload(stream, &vec![bf16::ONE; 65 * HIDDEN])?;
     let ids = upload(stream, &vec![0i32; 65 * 4])?;
@@ -582,6 +642,8 @@ fn rank_main() -> Result<(), String> {
     println!("ring check ok");
     // Every rank of `n_pes` runs on GPU 0.
     check_teams(&rt, &stream, env.world_size > 1)?;
+    check_stream_ops(&rt, &stream)?;
+    println!("stream ops ok");
     println!("teams ok");
     let done = all_cases(&rt, &stream, seed)?;
     println!("round trips ok: {}", done.join(", "));
@@ -601,6 +663,7 @@ fn main() {
     GpuSuite::new()
         .test("ring_check_one_pe", ring_one_pe)
         .test("teams_one_pe", teams_one_pe)
+        .test("stream_ops_one_pe", stream_ops_one_pe)
         .test("dispatch_combine_one_pe", roundtrips_one_pe)
         .test("graph_replay_one_pe", graph_replay_one_pe)
         .test("misuse_is_rejected", misuse_one_pe)
