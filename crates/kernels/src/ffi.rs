@@ -217,6 +217,87 @@ pub struct MoefuseActivationArgs {
     pub out: *mut c_void,
 }
 
+/// `moefuse_permute_args`: routed (token, slot) pairs to expert-major rows, with the gather
+/// of x fused, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefusePermuteArgs {
+    /// Tokens.
+    pub tokens: i32,
+    /// Experts (<= 512).
+    pub experts: i32,
+    /// Slots per token (<= 16).
+    pub top_k: i32,
+    /// Row width of x (multiple of 8) when gathering.
+    pub hidden: i32,
+    /// `[tokens, top_k]`.
+    pub topk_ids: *const i32,
+    /// `[tokens, hidden]` bf16, or null.
+    pub x: *const c_void,
+    /// `[experts]`.
+    pub counts: *mut i32,
+    /// `[experts]` prefix-sum ends.
+    pub offsets: *mut i32,
+    /// `[tokens * top_k]`.
+    pub row_of: *mut i32,
+    /// `[tokens * top_k]`.
+    pub source_of: *mut i32,
+    /// `[tokens * top_k, hidden]` bf16, or null.
+    pub x_perm: *mut c_void,
+    /// `moefuse_moe_permute_workspace(tokens, experts)` bytes.
+    pub workspace: *mut i32,
+    /// `[1]` error bits, or null.
+    pub flags: *mut u32,
+}
+
+/// `moefuse_combine_args`: `out[t] = Σ_j w[t, j] · y[row_of[t, j]]`, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseCombineArgs {
+    /// Tokens.
+    pub tokens: i32,
+    /// Slots per token.
+    pub top_k: i32,
+    /// Row width (multiple of 8).
+    pub hidden: i32,
+    /// Padding (0).
+    pub _pad: i32,
+    /// `[tokens * top_k]`.
+    pub row_of: *const i32,
+    /// `[tokens, top_k]`, or null for 1.
+    pub weights: *const f32,
+    /// `[rows, hidden]` bf16.
+    pub y: *const c_void,
+    /// `[tokens, hidden]` bf16.
+    pub out: *mut c_void,
+}
+
+/// `moefuse_combine_bwd_args`: `dy_perm` rows and `d_weights`, see abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseCombineBwdArgs {
+    /// Tokens.
+    pub tokens: i32,
+    /// Slots per token.
+    pub top_k: i32,
+    /// Row width (multiple of 8).
+    pub hidden: i32,
+    /// Padding (0).
+    pub _pad: i32,
+    /// `[tokens * top_k]`.
+    pub row_of: *const i32,
+    /// `[tokens, top_k]`.
+    pub weights: *const f32,
+    /// `[tokens, hidden]` bf16.
+    pub dy: *const c_void,
+    /// `[rows, hidden]` bf16: the forward's expert outputs.
+    pub y: *const c_void,
+    /// `[rows, hidden]` bf16.
+    pub dy_perm: *mut c_void,
+    /// `[tokens, top_k]`.
+    pub d_weights: *mut f32,
+}
+
 /// A MoE launcher (`moefuse_moe_<op>(args, stream)`), generic over its argument struct.
 pub type MoeLaunchFn<A> = unsafe extern "C" fn(*const A, *mut c_void) -> MoefuseStatus;
 
@@ -240,6 +321,23 @@ extern "C" {
     /// `moefuse_moe_activation_bwd(args, stream)`
     pub fn moefuse_moe_activation_bwd(
         args: *const MoefuseActivationArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_permute(args, stream)`
+    pub fn moefuse_moe_permute(
+        args: *const MoefusePermuteArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_permute_workspace(tokens, experts)`: bytes.
+    pub fn moefuse_moe_permute_workspace(tokens: i32, experts: i32) -> usize;
+    /// `moefuse_moe_combine(args, stream)`
+    pub fn moefuse_moe_combine(
+        args: *const MoefuseCombineArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_combine_bwd(args, stream)`
+    pub fn moefuse_moe_combine_bwd(
+        args: *const MoefuseCombineBwdArgs,
         stream: *mut c_void,
     ) -> MoefuseStatus;
 }
@@ -297,6 +395,13 @@ mod tests {
 
     #[test]
     fn activation_args_layout_matches_abi_h() {
+        assert_eq!(size_of::<MoefusePermuteArgs>(), 88);
+        assert_eq!(offset_of!(MoefusePermuteArgs, topk_ids), 16);
+        assert_eq!(offset_of!(MoefusePermuteArgs, flags), 80);
+        assert_eq!(size_of::<MoefuseCombineArgs>(), 48);
+        assert_eq!(offset_of!(MoefuseCombineArgs, out), 40);
+        assert_eq!(size_of::<MoefuseCombineBwdArgs>(), 64);
+        assert_eq!(offset_of!(MoefuseCombineBwdArgs, d_weights), 56);
         assert_eq!(size_of::<MoefuseActivationArgs>(), 56);
         assert_eq!(offset_of!(MoefuseActivationArgs, alpha), 16);
         assert_eq!(offset_of!(MoefuseActivationArgs, limit), 20);

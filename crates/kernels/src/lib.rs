@@ -215,6 +215,12 @@ pub enum MoeArgs<'a> {
     ActivationForward(&'a ffi::MoefuseActivationArgs),
     /// `moefuse_moe_activation_bwd`: `d_h_pre` from `dh` and `h_pre`.
     ActivationBackward(&'a ffi::MoefuseActivationArgs),
+    /// `moefuse_moe_permute`: expert-major rows, offsets, and the gather of x.
+    Permute(&'a ffi::MoefusePermuteArgs),
+    /// `moefuse_moe_combine`: weighted slot sums back to tokens.
+    Combine(&'a ffi::MoefuseCombineArgs),
+    /// `moefuse_moe_combine_bwd`: `dy_perm` and `d_weights`.
+    CombineBackward(&'a ffi::MoefuseCombineBwdArgs),
 }
 
 impl MoeArgs<'_> {
@@ -233,6 +239,9 @@ impl MoeArgs<'_> {
             MoeArgs::RouterBackward(_) => "moefuse_moe_router_bwd",
             MoeArgs::ActivationForward(_) => "moefuse_moe_activation_fwd",
             MoeArgs::ActivationBackward(_) => "moefuse_moe_activation_bwd",
+            MoeArgs::Permute(_) => "moefuse_moe_permute",
+            MoeArgs::Combine(_) => "moefuse_moe_combine",
+            MoeArgs::CombineBackward(_) => "moefuse_moe_combine_bwd",
         }
     }
 }
@@ -257,6 +266,9 @@ pub unsafe fn launch_moe(args: MoeArgs<'_>, stream: *mut c_void) -> Result<(), K
                 MoeArgs::RouterBackward(a) => ffi::moefuse_moe_router_bwd(a, stream),
                 MoeArgs::ActivationForward(a) => ffi::moefuse_moe_activation_fwd(a, stream),
                 MoeArgs::ActivationBackward(a) => ffi::moefuse_moe_activation_bwd(a, stream),
+                MoeArgs::Permute(a) => ffi::moefuse_moe_permute(a, stream),
+                MoeArgs::Combine(a) => ffi::moefuse_moe_combine(a, stream),
+                MoeArgs::CombineBackward(a) => ffi::moefuse_moe_combine_bwd(a, stream),
             }
         };
         if raw == ffi::MOEFUSE_STATUS_OK {
@@ -277,6 +289,17 @@ pub unsafe fn launch_moe(args: MoeArgs<'_>, stream: *mut c_void) -> Result<(), K
             message: "built without kernels (MOEFUSE_CUDA_ARCHS=none)".into(),
         })
     }
+}
+
+/// Bytes of workspace `moefuse_moe_permute` needs for `tokens` tokens over `experts`
+/// experts (the same formula without kernels, so sizes never depend on the build).
+///
+/// ```
+/// assert_eq!(moefuse_kernels::moe_permute_workspace(512, 8), 2 * 8 * 4);
+/// ```
+pub fn moe_permute_workspace(tokens: usize, experts: usize) -> usize {
+    let chunks = tokens.div_ceil(256).max(1);
+    chunks * experts.max(1) * 4
 }
 
 fn status(variant: &CompiledVariant, raw: MoefuseStatus) -> Result<(), KernelError> {

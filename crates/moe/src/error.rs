@@ -222,6 +222,12 @@ pub enum MoeError {
         /// The library's message.
         message: String,
     },
+    /// A grouped GEMM of the layer rejected its problem or failed to launch.
+    #[error("grouped GEMM: {0}")]
+    Gemm(String),
+    /// The layer was asked for a backward before any forward.
+    #[error("backward called before any forward")]
+    NoForward,
     /// The CUDA driver reported an error.
     #[error("CUDA driver error: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
@@ -246,5 +252,11 @@ impl From<moefuse_kernels::KernelError> for MoeError {
                 message: other.to_string(),
             },
         }
+    }
+}
+
+impl From<moefuse_grouped_gemm::GemmError> for MoeError {
+    fn from(e: moefuse_grouped_gemm::GemmError) -> Self {
+        MoeError::Gemm(e.to_string())
     }
 }

@@ -8,6 +8,13 @@
 //!    from `dh [rows, I]` and `h_pre`. [`Rows`] gives the row count on the host or in device
 //!    memory (the last prefix-sum offset), so no call synchronises with the host.
 //!
+//! 3. [`permute`] lays routed (token, slot) pairs out expert-major (offsets for the grouped
+//!    GEMM, `row_of`, `source_of`) and gathers `x` into those rows; [`combine`] sums expert
+//!    outputs back to tokens with the routing weights in fp32; [`combine_backward`] gives
+//!    the weighted upstream rows and `d_topk_weights`.
+//! 4. [`MoeLayer`] is the whole layer, forward and backward, from these and the grouped
+//!    GEMMs of `moefuse-grouped-gemm`.
+//!
 //! Every call checks sizes, buffer lengths and devices before anything is launched and
 //! returns a [`MoeError`] naming what is wrong; outputs are caller-owned, so calls can be
 //! captured in CUDA graphs. The kernels are one fat object per file (SASS for each arch in
@@ -26,9 +33,13 @@
 //! ```
 
 mod activation;
+mod layer;
+mod permute;
 mod router;
 
 pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
+pub use layer::{Gradients, MoeLayer, Routing};
+pub use permute::{combine, combine_backward, permute, PermuteBuffers};
 pub use router::{route, route_backward};
 
 use crate::MoeError;

@@ -1,0 +1,270 @@
+//! The MoE layer on one GPU: moefuse forward, backward and forward+backward.
+//!
+//! `bench_moe --out DIR [--models a,b] [--tokens 8192,16384] [--samples N]`. Balanced
+//! random routing (k distinct uniform experts per token, softmax-renormalised weights over
+//! random logits), given to the layer as external routing, as the PyTorch and LigerMoE
+//! baselines (`benches/torch_moe.py`, `benches/ligermoe_moe.py`) get it; bf16 weights
+//! N(0, 1/fan_in)-scaled uniform. Before timing, the first 16 tokens of the output are
+//! checked against an f64 host computation of the same layer (their k experts only).
+//! CUDA events, 3 warm-ups, median and IQR; activations rotate through input sets past 3×
+//! L2. TFLOP/s by useful FLOPs: forward 6·T·k·D·I, backward twice that. Appends to
+//! `DIR/moe.jsonl` (backend `moefuse`).
+
+use clap::Parser;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use moefuse::gpu::{MoeLayer, Routing};
+use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
+use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
+use moefuse_testkit::{rel_err, Rng, Stats};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser)]
+struct Args {
+    /// Folder for the JSON lines.
+    #[arg(long, default_value = "benches/results")]
+    out: PathBuf,
+    /// Comma list of models (default: all).
+    #[arg(long)]
+    models: Option<String>,
+    /// Comma list of token counts.
+    #[arg(long, default_value = "8192,16384,1,32,128")]
+    tokens: String,
+    /// Timed samples per phase.
+    #[arg(long, default_value_t = 20)]
+    samples: usize,
+}
+
+/// (name, D, I, E, k, activation, layout)
+fn models() -> Vec<(&'static str, MoeConfig)> {
+    vec![
+        ("qwen3-30b-a3b", MoeConfig::new(2048, 768, 128, 8)),
+        ("mixtral-8x7b", MoeConfig::new(4096, 14336, 8, 2)),
+        (
+            "gpt-oss-120b",
+            MoeConfig::new(2880, 2880, 128, 4)
+                .with_activation(Activation::swiglu_oai())
+                .with_gate_up_layout(GateUpLayout::Interleaved),
+        ),
+        ("deepseek-v3", MoeConfig::new(7168, 2048, 256, 8)),
+    ]
+    .into_iter()
+    .map(|(n, c)| (n, c.with_router(RouterKind::External)))
+    .collect()
+}
+
+fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    let Some(ctx) = open_gpu("bench_moe") else {
+        return Ok(());
+    };
+    // SAFETY: every buffer of this program lives on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream()?;
+    let gpu = ctx.name()?;
+    let wanted: Option<Vec<String>> = args
+        .models
+        .as_ref()
+        .map(|m| m.split(',').map(String::from).collect());
+    let token_list: Vec<usize> = args
+        .tokens
+        .split(',')
+        .map(|t| t.trim().parse())
+        .collect::<Result<_, _>>()?;
+    for (model, cfg) in models() {
+        if wanted
+            .as_ref()
+            .is_some_and(|w| !w.iter().any(|m| m == model))
+        {
+            continue;
+        }
+        let max_t = *token_list.iter().max().unwrap_or(&1);
+        let mut rng = Rng::new(0x6d6f65 ^ cfg.experts as u64);
+        let (d, i, e, w) = (
+            cfg.hidden,
+            cfg.intermediate,
+            cfg.experts,
+            cfg.gate_up_width(),
+        );
+        let scale = |v: Vec<bf16>, s: f32| {
+            v.into_iter()
+                .map(|x| bf16::from_f32(x.to_f32() * s))
+                .collect::<Vec<_>>()
+        };
+        let gate_up_h = scale(rng.bf16_vec(e * w * d), 1.7 / (d as f32).sqrt());
+        let down_h = scale(rng.bf16_vec(e * d * i), 1.7 / (i as f32).sqrt());
+        let gate_up = stream.clone_htod(&gate_up_h)?;
+        let down = stream.clone_htod(&down_h)?;
+        let mut layer = MoeLayer::with_device_weights(&stream, cfg, max_t, gate_up, down, None)?;
+        for &t in &token_list {
+            let recs = bench_case(
+                &ctx, &stream, &mut layer, &gate_up_h, &down_h, model, t, &args, &gpu, &mut rng,
+            )?;
+            for r in &recs {
+                println!(
+                    "{:<32} {:>10.1} us [IQR {:>7.1}] {:>7.1} TFLOP/s  rel_err {:.1e}",
+                    r.case,
+                    r.median_us,
+                    r.iqr_us,
+                    r.tflops.unwrap_or(0.0),
+                    r.rel_err
+                );
+            }
+            append(&args.out, "moe", &recs)?;
+        }
+    }
+    Ok(())
+}
+
+/// Balanced random routing: ids and softmax-renormalised weights.
+fn routing(rng: &mut Rng, t: usize, e: usize, k: usize) -> (Vec<i32>, Vec<f32>) {
+    let (mut ids, mut ws) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
+    for _ in 0..t {
+        let mut chosen: Vec<i32> = Vec::with_capacity(k);
+        while chosen.len() < k {
+            let x = rng.below(e) as i32;
+            if !chosen.contains(&x) {
+                chosen.push(x);
+            }
+        }
+        let l: Vec<f32> = (0..k).map(|_| rng.uniform().exp()).collect();
+        let s: f32 = l.iter().sum();
+        ids.extend(chosen);
+        ws.extend(l.iter().map(|v| v / s));
+    }
+    (ids, ws)
+}
+
+/// y for the first `n` tokens in f64 from the bf16 weights (only their experts).
+#[allow(clippy::too_many_arguments)]
+fn host_check(
+    cfg: &MoeConfig,
+    gate_up: &[bf16],
+    down: &[bf16],
+    x: &[bf16],
+    ids: &[i32],
+    ws: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let (d, i, k, w) = (cfg.hidden, cfg.intermediate, cfg.top_k, cfg.gate_up_width());
+    let mut y = vec![0f32; n * d];
+    for t in 0..n {
+        let xr: Vec<f64> = x[t * d..(t + 1) * d].iter().map(|v| v.to_f64()).collect();
+        for j in 0..k {
+            let ex = ids[t * k + j] as usize;
+            let h_pre: Vec<f32> = (0..w)
+                .map(|r| {
+                    let row = &gate_up[(ex * w + r) * d..(ex * w + r + 1) * d];
+                    // Rounded to bf16 like the GPU's stored h_pre.
+                    bf16::from_f64(row.iter().zip(&xr).map(|(a, b)| a.to_f64() * b).sum()).to_f32()
+                })
+                .collect();
+            let mut h = vec![0f32; i];
+            reference::activation::forward_row(cfg.activation, cfg.gate_up_layout, &h_pre, &mut h);
+            let h: Vec<f64> = h.iter().map(|&v| bf16::from_f32(v).to_f64()).collect();
+            for c in 0..d {
+                let row = &down[(ex * d + c) * i..(ex * d + c + 1) * i];
+                let v: f64 = row.iter().zip(&h).map(|(a, b)| a.to_f64() * b).sum();
+                y[t * d + c] += (ws[t * k + j] as f64 * bf16::from_f64(v).to_f64()) as f32;
+            }
+        }
+    }
+    y
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_case(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    stream: &Arc<CudaStream>,
+    layer: &mut MoeLayer,
+    gate_up_h: &[bf16],
+    down_h: &[bf16],
+    model: &str,
+    t: usize,
+    args: &Args,
+    gpu: &str,
+    rng: &mut Rng,
+) -> Result<Vec<Record>, Error> {
+    let cfg = *layer.config();
+    let (d, e, k) = (cfg.hidden, cfg.experts, cfg.top_k);
+    let sets = rotation(ctx, t * d * 2 * 4);
+    let mut xs: Vec<CudaSlice<bf16>> = Vec::new();
+    let mut x0 = Vec::new();
+    for s in 0..sets {
+        let x = rng.bf16_vec(t * d);
+        if s == 0 {
+            x0 = x.clone();
+        }
+        xs.push(stream.clone_htod(&x)?);
+    }
+    let (ids, ws) = routing(rng, t, e, k);
+    let ids_d = stream.clone_htod(&ids)?;
+    let ws_d = stream.clone_htod(&ws)?;
+    let dy = stream.clone_htod(&rng.bf16_vec(t * d))?;
+    let mut y = stream.alloc_zeros::<bf16>(t * d)?;
+    let mut dx = stream.alloc_zeros::<bf16>(t * d)?;
+    let mut grads = layer.gradients()?;
+    let ext = || Routing::External {
+        topk_ids: &ids_d,
+        topk_weights: &ws_d,
+    };
+
+    layer.forward(&xs[0], t, ext(), &mut y)?;
+    let n = t.min(16);
+    let got: Vec<f32> = stream.clone_dtoh(&y)?[..n * d]
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let want = host_check(&cfg, gate_up_h, down_h, &x0, &ids, &ws, n);
+    let err = rel_err(&got, &want);
+    if !(err < 2e-2) {
+        return Err(
+            format!("{model} t{t}: output differs from the host check: rel err {err}").into(),
+        );
+    }
+
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (mut f_us, mut b_us, mut fb_us) = (Vec::new(), Vec::new(), Vec::new());
+    for s in 0..(3 + args.samples) {
+        let x = &xs[s % sets];
+        let (a, b, c) = (
+            ctx.new_event(timing)?,
+            ctx.new_event(timing)?,
+            ctx.new_event(timing)?,
+        );
+        a.record(stream)?;
+        layer.forward(x, t, ext(), &mut y)?;
+        b.record(stream)?;
+        layer.backward(&dy, &mut dx, &mut grads, false)?;
+        c.record(stream)?;
+        c.synchronize()?;
+        if s >= 3 {
+            f_us.push(a.elapsed_ms(&b)? as f64 * 1e3);
+            b_us.push(b.elapsed_ms(&c)? as f64 * 1e3);
+            fb_us.push(a.elapsed_ms(&c)? as f64 * 1e3);
+        }
+    }
+    let fwd_flops = 6.0 * (t * k * d * cfg.intermediate) as f64;
+    let rec = |phase: &str, us: Vec<f64>, flops: f64| {
+        let st = Stats::from_samples(us);
+        Record {
+            suite: "moe".into(),
+            case: format!("{model}-t{t}-{phase}"),
+            backend: "moefuse".into(),
+            gpu: gpu.into(),
+            median_us: st.median_us,
+            iqr_us: st.iqr_us,
+            tflops: Some(flops / (st.median_us * 1e-6) / 1e12),
+            gbps: None,
+            rel_err: err,
+            date: today(),
+            commit: commit(),
+        }
+    };
+    Ok(vec![
+        rec("fwd", f_us, fwd_flops),
+        rec("bwd", b_us, 2.0 * fwd_flops),
+        rec("fwdbwd", fb_us, 3.0 * fwd_flops),
+    ])
+}

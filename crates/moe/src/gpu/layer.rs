@@ -1,0 +1,548 @@
+//! The whole MoE layer on one GPU: [`MoeLayer::forward`] and [`MoeLayer::backward`] on a
+//! caller's stream, built from the grouped GEMMs of `moefuse-grouped-gemm` and this crate's
+//! router, permutation, activation and combine kernels.
+//!
+//! Forward (rows R = tokens · top_k, expert-major):
+//! 1. routing: [`route`](super::route) from the caller's router logits `[T, E]` (fp32), or
+//!    the caller's `topk_ids`/`topk_weights`;
+//! 2. [`permute`](super::permute): per-expert offsets, `row_of`, and `x_perm [R, D]`
+//!    gathered from `x`;
+//! 3. gate_up grouped GEMM: `h_pre [R, W] = x_perm · gate_upᵀ` per expert;
+//! 4. activation: `h [R, I]`;
+//! 5. down grouped GEMM: `y_e [R, D] = h · downᵀ`;
+//! 6. [`combine`](super::combine): `y[t] = Σ_slot w · y_e[row]` in fp32 (deterministic).
+//!
+//! Backward: [`combine_backward`](super::combine_backward) gives `dy_perm = w · dy[t]` and
+//! `d_topk_weights = ⟨dy[t], y_e[row]⟩`; down dgrad `dh`, down wgrad `d_down`; the
+//! activation backward recomputes the activation from the stored `h_pre`; gate_up dgrad
+//! `dx_perm` and wgrad `d_gate_up`; `dx` is the unweighted combine of `dx_perm`; with our
+//! router, [`route_backward`](super::route_backward) gives `d_logits`.
+//!
+//! Nothing synchronises with the host: the whole forward and the whole backward can be
+//! captured in one CUDA graph each and replayed with new inputs and routing (the token
+//! count is fixed per capture). The router's gate matrix (`logits = x · Wrᵀ`) stays with the
+//! caller: the layer takes logits and returns `d_logits`.
+
+use super::{
+    activation_backward, activation_forward, combine, combine_backward, permute, route,
+    route_backward, ActivationDesc, PermuteBuffers, Rows,
+};
+use crate::{reference::MoeWeights, MoeConfig, MoeError, RouterKind};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
+use std::sync::Arc;
+
+/// How a forward call is routed.
+pub enum Routing<'a> {
+    /// Router logits `[T, E]` fp32; the layer's router (the config's kind) picks experts.
+    Logits(&'a CudaSlice<f32>),
+    /// The caller's `topk_ids [T, k]` (int32) and `topk_weights [T, k]` (fp32).
+    External {
+        /// Expert ids.
+        topk_ids: &'a CudaSlice<i32>,
+        /// Routing weights.
+        topk_weights: &'a CudaSlice<f32>,
+    },
+}
+
+/// Gradients of one backward call, owned by the caller and reused across calls.
+pub struct Gradients {
+    /// `[E, W, D]` bf16.
+    pub d_gate_up: CudaSlice<bf16>,
+    /// `[E, D, I]` bf16.
+    pub d_down: CudaSlice<bf16>,
+    /// `[T_max, k]` fp32 (first `T·k` valid).
+    pub d_topk_weights: CudaSlice<f32>,
+    /// `[T_max, E]` fp32 when the layer routed (first `T·E` valid).
+    pub d_logits: CudaSlice<f32>,
+}
+
+fn gemm_err(e: moefuse_grouped_gemm::GemmError) -> MoeError {
+    MoeError::from(e)
+}
+
+fn drv(e: cudarc::driver::DriverError) -> MoeError {
+    MoeError::Driver(e)
+}
+
+struct Plans {
+    gate_up: GroupedPlan,
+    down: GroupedPlan,
+    down_dgrad: GroupedPlan,
+    gate_up_dgrad: GroupedPlan,
+    /// [beta = 0, beta = 1] (accumulate).
+    down_wgrad: [GroupedPlan; 2],
+    gate_up_wgrad: [GroupedPlan; 2],
+}
+
+/// Everything the forward keeps for the backward, sized for `max_tokens`.
+struct Saved {
+    tokens: usize,
+    routed: bool,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    perm: PermuteBuffers,
+    x_perm: CudaSlice<bf16>,
+    h_pre: CudaSlice<bf16>,
+    h: CudaSlice<bf16>,
+    y_e: CudaSlice<bf16>,
+}
+
+/// Backward scratch.
+struct Scratch {
+    dy_perm: CudaSlice<bf16>,
+    dh: CudaSlice<bf16>,
+    d_h_pre: CudaSlice<bf16>,
+    dx_perm: CudaSlice<bf16>,
+    workspace: CudaSlice<u8>,
+}
+
+/// An MoE layer with its expert weights on one GPU (see the module docs).
+///
+/// ```no_run
+/// use moefuse::{gpu::{MoeLayer, Routing}, reference::MoeWeights, MoeConfig};
+/// let ctx = cudarc::driver::CudaContext::new(0)?;
+/// let stream = ctx.new_stream()?;
+/// let cfg = MoeConfig::new(2048, 768, 128, 8);
+/// let mut layer = MoeLayer::new(&stream, cfg, 8192, &MoeWeights::zeros(&cfg, false))?;
+/// let x = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
+/// let logits = stream.alloc_zeros::<f32>(8192 * 128)?;
+/// let mut y = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
+/// layer.forward(&x, 8192, Routing::Logits(&logits), &mut y)?;
+/// let mut grads = layer.gradients()?;
+/// let mut dx = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
+/// layer.backward(&y, &mut dx, &mut grads, false)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct MoeLayer {
+    cfg: MoeConfig,
+    max_tokens: usize,
+    stream: Arc<CudaStream>,
+    act: ActivationDesc,
+    gate_up: CudaSlice<bf16>,
+    down: CudaSlice<bf16>,
+    bias: Option<CudaSlice<f32>>,
+    gemm: GroupedGemm,
+    plans: Plans,
+    saved: Saved,
+    scratch: Scratch,
+    forwarded: bool,
+}
+
+impl MoeLayer {
+    /// A layer for `cfg` taking up to `max_tokens` tokens per call, its weights rounded to
+    /// bf16 from `weights` (the reference layout: gate_up `[E, W, D]`, down `[E, D, I]`), all
+    /// work on `stream`.
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        cfg: MoeConfig,
+        max_tokens: usize,
+        weights: &MoeWeights,
+    ) -> Result<Self, MoeError> {
+        cfg.validate()?;
+        cfg.check_tokens(max_tokens)?;
+        weights.validate(&cfg)?;
+        let bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+        let gate_up = stream.clone_htod(&bf(&weights.gate_up)).map_err(drv)?;
+        let down = stream.clone_htod(&bf(&weights.down)).map_err(drv)?;
+        let bias = match &weights.router_bias {
+            Some(b) => Some(stream.clone_htod(b).map_err(drv)?),
+            None => None,
+        };
+        Self::with_device_weights(stream, cfg, max_tokens, gate_up, down, bias)
+    }
+
+    /// Like [`MoeLayer::new`] with weights already on the device (bf16 `[E, W, D]` and
+    /// `[E, D, I]`; the sigmoid router's `[E]` bias, if any).
+    pub fn with_device_weights(
+        stream: &Arc<CudaStream>,
+        cfg: MoeConfig,
+        max_tokens: usize,
+        gate_up: CudaSlice<bf16>,
+        down: CudaSlice<bf16>,
+        bias: Option<CudaSlice<f32>>,
+    ) -> Result<Self, MoeError> {
+        cfg.validate()?;
+        cfg.check_tokens(max_tokens)?;
+        let (d, i, e, k, w) = (
+            cfg.hidden,
+            cfg.intermediate,
+            cfg.experts,
+            cfg.top_k,
+            cfg.gate_up_width(),
+        );
+        let shape = |what, expected: usize, found: usize| {
+            if expected == found {
+                Ok(())
+            } else {
+                Err(MoeError::ShapeMismatch {
+                    what,
+                    expected,
+                    found,
+                })
+            }
+        };
+        shape("gate_up [E, W, D]", e * w * d, gate_up.len())?;
+        shape("down [E, D, I]", e * d * i, down.len())?;
+        if let Some(b) = &bias {
+            shape("router bias [E]", e, b.len())?;
+        }
+        let rows = max_tokens * k;
+        let ctx: Arc<CudaContext> = stream.context().clone();
+        let gemm = GroupedGemm::new(&ctx).map_err(gemm_err)?;
+        let hint = |mut desc: GroupedDesc| {
+            desc.rows_per_group_hint = Some(rows.div_ceil(e));
+            desc
+        };
+        let plan = |desc: GroupedDesc| gemm.plan(&hint(desc)).map_err(gemm_err);
+        let wgrad = |n: usize, kk: usize| -> Result<[GroupedPlan; 2], MoeError> {
+            let (desc, swap) = GroupedDesc::wgrad_for(e, rows, n, kk, BLayout::Nk);
+            debug_assert!(swap);
+            Ok([plan(desc)?, plan(GroupedDesc { beta: 1.0, ..desc })?])
+        };
+        let plans = Plans {
+            gate_up: plan(GroupedDesc::forward(e, rows, w, d, BLayout::Nk))?,
+            down: plan(GroupedDesc::forward(e, rows, d, i, BLayout::Nk))?,
+            down_dgrad: plan(GroupedDesc::dgrad(e, rows, d, i, BLayout::Nk))?,
+            gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,
+            down_wgrad: wgrad(d, i)?,
+            gate_up_wgrad: wgrad(w, d)?,
+        };
+        for p in [
+            &plans.gate_up,
+            &plans.down,
+            &plans.down_wgrad[0],
+            &plans.gate_up_wgrad[0],
+        ] {
+            tracing::debug!(variant = %p.variant(), "moe layer grouped GEMM");
+        }
+        let ws = [
+            &plans.gate_up,
+            &plans.down,
+            &plans.down_dgrad,
+            &plans.gate_up_dgrad,
+            &plans.down_wgrad[0],
+            &plans.down_wgrad[1],
+            &plans.gate_up_wgrad[0],
+            &plans.gate_up_wgrad[1],
+        ]
+        .iter()
+        .map(|p| p.workspace_bytes())
+        .max()
+        .unwrap_or(0);
+        let z16 = |n: usize| stream.alloc_zeros::<bf16>(n.max(1)).map_err(drv);
+        let saved = Saved {
+            tokens: 0,
+            routed: false,
+            ids: stream.alloc_zeros::<i32>(rows).map_err(drv)?,
+            weights: stream.alloc_zeros::<f32>(rows).map_err(drv)?,
+            logits: stream.alloc_zeros::<f32>(max_tokens * e).map_err(drv)?,
+            perm: PermuteBuffers::new(stream, max_tokens, e, k)?,
+            x_perm: z16(rows * d)?,
+            h_pre: z16(rows * w)?,
+            h: z16(rows * i)?,
+            y_e: z16(rows * d)?,
+        };
+        let scratch = Scratch {
+            dy_perm: z16(rows * d)?,
+            dh: z16(rows * i)?,
+            d_h_pre: z16(rows * w)?,
+            dx_perm: z16(rows * d)?,
+            workspace: stream.alloc_zeros::<u8>(ws.max(256)).map_err(drv)?,
+        };
+        Ok(MoeLayer {
+            act: ActivationDesc::from_config(&cfg),
+            cfg,
+            max_tokens,
+            stream: stream.clone(),
+            gate_up,
+            down,
+            bias,
+            gemm,
+            plans,
+            saved,
+            scratch,
+            forwarded: false,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// Zeroed gradient buffers for this layer (reuse them across calls).
+    pub fn gradients(&self) -> Result<Gradients, MoeError> {
+        let (d, i, e, k, w) = (
+            self.cfg.hidden,
+            self.cfg.intermediate,
+            self.cfg.experts,
+            self.cfg.top_k,
+            self.cfg.gate_up_width(),
+        );
+        let s = &self.stream;
+        Ok(Gradients {
+            d_gate_up: s.alloc_zeros::<bf16>(e * w * d).map_err(drv)?,
+            d_down: s.alloc_zeros::<bf16>(e * d * i).map_err(drv)?,
+            d_topk_weights: s.alloc_zeros::<f32>(self.max_tokens * k).map_err(drv)?,
+            d_logits: s.alloc_zeros::<f32>(self.max_tokens * e).map_err(drv)?,
+        })
+    }
+
+    /// The routing of the last forward: `topk_ids [T, k]`, `topk_weights [T, k]`.
+    pub fn routing(&self) -> (&CudaSlice<i32>, &CudaSlice<f32>) {
+        (&self.saved.ids, &self.saved.weights)
+    }
+
+    /// Per-expert prefix-sum offsets of the last forward.
+    pub fn offsets(&self) -> &CudaSlice<i32> {
+        &self.saved.perm.offsets
+    }
+
+    /// `y [T, D] = MoE(x [T, D])` (bf16), routed per `routing`. Keeps what the backward needs.
+    pub fn forward<X, Y>(
+        &mut self,
+        x: &X,
+        tokens: usize,
+        routing: Routing<'_>,
+        y: &mut Y,
+    ) -> Result<(), MoeError>
+    where
+        X: DevicePtr<bf16>,
+        Y: DevicePtrMut<bf16>,
+    {
+        let (d, e, k) = (self.cfg.hidden, self.cfg.experts, self.cfg.top_k);
+        self.cfg.check_tokens(tokens)?;
+        if tokens > self.max_tokens {
+            return Err(MoeError::TokensOutOfRange {
+                tokens,
+                max: self.max_tokens,
+            });
+        }
+        let buf = |what, needed: usize, got: usize| {
+            if got < needed {
+                Err(MoeError::BufferTooSmall { what, needed, got })
+            } else {
+                Ok(())
+            }
+        };
+        buf("x [T, D]", tokens * d, x.len())?;
+        buf("y [T, D]", tokens * d, y.len())?;
+        let s = self.stream.clone();
+        let sv = &mut self.saved;
+        match routing {
+            Routing::Logits(logits) => {
+                if matches!(self.cfg.router, RouterKind::External) {
+                    return Err(MoeError::ExternalRouter);
+                }
+                buf("logits [T, E]", tokens * e, logits.len())?;
+                s.memcpy_dtod(
+                    &logits.slice(..tokens * e),
+                    &mut sv.logits.slice_mut(..tokens * e),
+                )
+                .map_err(drv)?;
+                let bias = self.bias.as_ref().map(|b| b as &dyn DevicePtr<f32>);
+                route(
+                    &self.cfg,
+                    &s,
+                    tokens,
+                    &sv.logits,
+                    bias,
+                    &mut sv.ids,
+                    &mut sv.weights,
+                )?;
+                sv.routed = true;
+            }
+            Routing::External {
+                topk_ids,
+                topk_weights,
+            } => {
+                buf("topk_ids [T, k]", tokens * k, topk_ids.len())?;
+                buf("topk_weights [T, k]", tokens * k, topk_weights.len())?;
+                s.memcpy_dtod(
+                    &topk_ids.slice(..tokens * k),
+                    &mut sv.ids.slice_mut(..tokens * k),
+                )
+                .map_err(drv)?;
+                s.memcpy_dtod(
+                    &topk_weights.slice(..tokens * k),
+                    &mut sv.weights.slice_mut(..tokens * k),
+                )
+                .map_err(drv)?;
+                sv.routed = false;
+            }
+        }
+        sv.tokens = tokens;
+        permute(
+            &s,
+            tokens,
+            e,
+            k,
+            d,
+            &sv.ids,
+            Some(x),
+            &mut sv.perm,
+            Some(&mut sv.x_perm),
+        )?;
+        let ws = &mut self.scratch.workspace;
+        let g = |e: moefuse_grouped_gemm::GemmError| gemm_err(e);
+        let gemm = &self.gemm;
+        gemm.run(
+            &self.plans.gate_up,
+            &s,
+            &sv.perm.offsets,
+            &sv.x_perm,
+            &self.gate_up,
+            &mut sv.h_pre,
+            ws,
+        )
+        .map_err(g)?;
+        let rows_cap = self.max_tokens * k;
+        let last = sv.perm.offsets.slice(e - 1..);
+        activation_forward(
+            &self.act,
+            &s,
+            Rows::from_device(&last, rows_cap),
+            &sv.h_pre,
+            &mut sv.h,
+        )?;
+        gemm.run(
+            &self.plans.down,
+            &s,
+            &sv.perm.offsets,
+            &sv.h,
+            &self.down,
+            &mut sv.y_e,
+            ws,
+        )
+        .map_err(g)?;
+        combine(
+            &s,
+            tokens,
+            k,
+            d,
+            &sv.perm.row_of,
+            Some(&sv.weights),
+            &sv.y_e,
+            y,
+        )?;
+        self.forwarded = true;
+        Ok(())
+    }
+
+    /// Gradients of the last forward for `dy [T, D]`: `dx [T, D]` (from the experts; the
+    /// router matrix's share `d_logits · Wr` is the caller's), and into `grads` the weight
+    /// gradients (added to their content when `accumulate`), `d_topk_weights`, and
+    /// `d_logits` when the layer routed.
+    pub fn backward<G, X>(
+        &mut self,
+        dy: &G,
+        dx: &mut X,
+        grads: &mut Gradients,
+        accumulate: bool,
+    ) -> Result<(), MoeError>
+    where
+        G: DevicePtr<bf16>,
+        X: DevicePtrMut<bf16>,
+    {
+        if !self.forwarded {
+            return Err(MoeError::NoForward);
+        }
+        let (d, e, k) = (self.cfg.hidden, self.cfg.experts, self.cfg.top_k);
+        let sv = &self.saved;
+        let t = sv.tokens;
+        let buf = |what, needed: usize, got: usize| {
+            if got < needed {
+                Err(MoeError::BufferTooSmall { what, needed, got })
+            } else {
+                Ok(())
+            }
+        };
+        buf("dy [T, D]", t * d, dy.len())?;
+        buf("dx [T, D]", t * d, dx.len())?;
+        let s = self.stream.clone();
+        let sc = &mut self.scratch;
+        combine_backward(
+            &s,
+            t,
+            k,
+            d,
+            &sv.perm.row_of,
+            &sv.weights,
+            dy,
+            &sv.y_e,
+            &mut sc.dy_perm,
+            &mut grads.d_topk_weights,
+        )?;
+        let g = |e: moefuse_grouped_gemm::GemmError| gemm_err(e);
+        let gemm = &self.gemm;
+        let off = &sv.perm.offsets;
+        let ws = &mut sc.workspace;
+        let acc = usize::from(accumulate);
+        gemm.run(
+            &self.plans.down_dgrad,
+            &s,
+            off,
+            &sc.dy_perm,
+            &self.down,
+            &mut sc.dh,
+            ws,
+        )
+        .map_err(g)?;
+        gemm.run(
+            &self.plans.down_wgrad[acc],
+            &s,
+            off,
+            &sc.dy_perm,
+            &sv.h,
+            &mut grads.d_down,
+            ws,
+        )
+        .map_err(g)?;
+        let rows_cap = self.max_tokens * k;
+        let last = off.slice(e - 1..);
+        activation_backward(
+            &self.act,
+            &s,
+            Rows::from_device(&last, rows_cap),
+            &sv.h_pre,
+            &sc.dh,
+            &mut sc.d_h_pre,
+        )?;
+        gemm.run(
+            &self.plans.gate_up_dgrad,
+            &s,
+            off,
+            &sc.d_h_pre,
+            &self.gate_up,
+            &mut sc.dx_perm,
+            ws,
+        )
+        .map_err(g)?;
+        gemm.run(
+            &self.plans.gate_up_wgrad[acc],
+            &s,
+            off,
+            &sc.d_h_pre,
+            &sv.x_perm,
+            &mut grads.d_gate_up,
+            ws,
+        )
+        .map_err(g)?;
+        combine(&s, t, k, d, &sv.perm.row_of, None, &sc.dx_perm, dx)?;
+        if sv.routed {
+            route_backward(
+                &self.cfg,
+                &s,
+                t,
+                &sv.logits,
+                &sv.ids,
+                &grads.d_topk_weights,
+                &mut grads.d_logits,
+            )?;
+        }
+        Ok(())
+    }
+}

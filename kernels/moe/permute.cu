@@ -1,0 +1,330 @@
+// Token permutation into expert-major rows (with the gather of x fused), the weighted
+// combine back to tokens, and the combine's backward. Plain CUDA; one launcher per op.
+//
+//   launcher               kernels (grid x block)
+//   moefuse_moe_permute    count (T/256 x 256): per-chunk expert counts, stable in-chunk ranks
+//                          scan (1 x 1024): chunk bases per expert, counts, offsets
+//                          place (T/8 x 256, warp per token): row_of, source_of, x gather
+//   moefuse_moe_combine    warp per token: fp32 weighted slot sum -> bf16
+//   moefuse_moe_combine_bwd  warp per token: dy_perm rows and d_weights dot products
+//
+// NOTES: stability comes from the count pass walking each warp's 32 tokens in order (a
+// token names each expert once, so in-expert order is token order); the same algorithm as
+// the expert-parallel count kernel (kernels/comm/ep.cu) without destination ranks.
+#include <cuda_bf16.h>
+
+#include "moefuse/moe/common.cuh"
+#include "moefuse/moe_abi.h"
+
+// The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
+static_assert(sizeof(moefuse_permute_args) == 88 && offsetof(moefuse_permute_args, topk_ids) == 16 &&
+                  offsetof(moefuse_permute_args, flags) == 80,
+              "moefuse_permute_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
+static_assert(sizeof(moefuse_combine_args) == 48 && offsetof(moefuse_combine_args, out) == 40,
+              "moefuse_combine_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
+static_assert(sizeof(moefuse_combine_bwd_args) == 64 && offsetof(moefuse_combine_bwd_args, d_weights) == 56,
+              "moefuse_combine_bwd_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
+
+namespace moefuse::moe {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = MOEFUSE_PERMUTE_CHUNK;
+constexpr int kMaxExperts = 512;
+constexpr int kMaxTopK = 16;
+constexpr int kUnroll = 4;
+static_assert(kChunk == kWarps * 32, "count: 32 tokens per warp");
+
+__device__ __forceinline__ void raise(uint32_t* flags, uint32_t bit) {
+  if (flags) atomicOr(flags, bit);
+}
+
+// ---- count ------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) permute_count(moefuse_permute_args p) {
+  extern __shared__ int smem[];
+  const int E = p.experts, k = p.top_k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int* hist = smem;                             // (kWarps, E): counts, then warp bases
+  int* ids = smem + kWarps * E + warp * 32 * k;  // (32, k): this warp's routing
+  for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) hist[i] = 0;
+  const int t0 = blockIdx.x * kChunk + warp * 32;
+  const int n_tok = max(0, min(32, p.tokens - t0));
+  for (int i = lane; i < n_tok * k; i += 32) ids[i] = p.topk_ids[size_t(t0) * k + i];
+  __syncthreads();
+  int* h = hist + warp * E;
+  const unsigned slots = (1u << k) - 1u;
+  for (int i = 0; i < n_tok; ++i) {
+    if (lane < k) {
+      const int e = ids[i * k + lane];
+      const bool ok = e >= 0 && e < E;
+      if (!ok) raise(p.flags, 1u);
+      // row_of holds the in-chunk rank for now; place() adds the bases.
+      p.row_of[size_t(t0 + i) * k + lane] = ok ? atomicAdd(&h[e], 1) : -1;
+      const unsigned same = __match_any_sync(slots, e);
+      if (ok && __popc(same) > 1) raise(p.flags, 2u);
+    }
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int v = hist[w * E + e];
+      hist[w * E + e] = run;
+      run += v;
+    }
+    p.workspace[blockIdx.x * E + e] = run;
+  }
+  __syncthreads();
+  for (int i = 0; i < n_tok; ++i) {
+    if (lane < k) {
+      const int e = ids[i * k + lane];
+      if (e >= 0 && e < E) p.row_of[size_t(t0 + i) * k + lane] += h[e];
+    }
+  }
+}
+
+// ---- scan: chunk counts -> chunk bases (global, expert start included) -------------------
+__global__ void __launch_bounds__(1024) permute_scan(moefuse_permute_args p) {
+  __shared__ int total[kMaxExperts];
+  const int E = p.experts;
+  const int chunks = (p.tokens + kChunk - 1) / kChunk;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) {
+      const int v = p.workspace[c * E + e];
+      p.workspace[c * E + e] = run;
+      run += v;
+    }
+    total[e] = run;
+    p.counts[e] = run;
+  }
+  __syncthreads();
+  // Offsets (prefix-sum ends) by one thread per expert over the earlier experts' totals.
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int start = 0;
+    for (int f = 0; f < e; ++f) start += total[f];
+    p.offsets[e] = start + total[e];
+    for (int c = 0; c < chunks; ++c) p.workspace[c * E + e] += start;
+  }
+}
+
+// ---- place: final rows, inverse map, gather --------------------------------------------
+__global__ void __launch_bounds__(kThreads) permute_place(moefuse_permute_args p) {
+  __shared__ uint16_t* dst[kWarps][kMaxTopK];
+  const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int t = blockIdx.x * kWarps + warp;
+  if (t >= p.tokens) return;
+  int row = -1;
+  if (lane < k) {
+    const int e = p.topk_ids[size_t(t) * k + lane];
+    if (e >= 0 && e < p.experts) {
+      row = p.row_of[size_t(t) * k + lane] + p.workspace[(t / kChunk) * p.experts + e];
+      p.row_of[size_t(t) * k + lane] = row;
+      p.source_of[row] = t * k + lane;
+    }
+  }
+  if (!p.x_perm) return;
+  const unsigned valid = __ballot_sync(~0u, row >= 0);
+  if (row >= 0) dst[warp][__popc(valid & ((1u << lane) - 1))] = p.x_perm + size_t(row) * D;
+  __syncwarp();
+  const int n_dst = __popc(valid);
+  const uint4* src = reinterpret_cast<const uint4*>(p.x + size_t(t) * D);
+  const int n = D / 8;
+  int c = lane;
+  for (; c + 32 * (kUnroll - 1) < n; c += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(src + c + 32 * u);
+    for (int j = 0; j < n_dst; ++j) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) reinterpret_cast<uint4*>(dst[warp][j])[c + 32 * u] = v[u];
+    }
+  }
+  for (; c < n; c += 32) {
+    const uint4 v = __ldg(src + c);
+    for (int j = 0; j < n_dst; ++j) reinterpret_cast<uint4*>(dst[warp][j])[c] = v;
+  }
+}
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v, float w) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] += w * f.x;
+    acc[2 * q + 1] += w * f.y;
+  }
+}
+
+__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+  float s = 0.f;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(x[q]), g = __bfloat1622float2(y[q]);
+    s += f.x * g.x + f.y * g.y;
+  }
+  return s;
+}
+
+__device__ __forceinline__ uint4 scale_bf16x8(uint4 v, float w) {
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    h[q] = __floats2bfloat162_rn(w * f.x, w * f.y);
+  }
+  return v;
+}
+
+__device__ __forceinline__ uint4 to_bf16x8(const float (&acc)[8]) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return v;
+}
+
+// ---- combine: warp per token -------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) combine(moefuse_combine_args p) {
+  __shared__ const uint4* rows[kWarps][kMaxTopK];
+  __shared__ float ws[kWarps][kMaxTopK];
+  const int k = p.top_k, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int t = blockIdx.x * kWarps + warp;
+  if (t >= p.tokens) return;
+  int row = lane < k ? p.row_of[size_t(t) * k + lane] : -1;
+  const unsigned valid = __ballot_sync(~0u, row >= 0);
+  if (row >= 0) {
+    const int at = __popc(valid & ((1u << lane) - 1));
+    rows[warp][at] = reinterpret_cast<const uint4*>(p.y + size_t(row) * p.hidden);
+    ws[warp][at] = p.weights ? p.weights[size_t(t) * k + lane] : 1.f;
+  }
+  __syncwarp();
+  const int n_rows = __popc(valid), n = p.hidden / 8;
+  uint4* out = reinterpret_cast<uint4*>(p.out + size_t(t) * p.hidden);
+  for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
+    float acc[kUnroll][8] = {};
+    for (int j = 0; j < n_rows; ++j) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u < n) v[u] = __ldg(rows[warp][j] + c0 + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], ws[warp][j]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (c0 + 32 * u < n) out[c0 + 32 * u] = to_bf16x8(acc[u]);
+    }
+  }
+}
+
+// ---- combine backward: warp per token ----------------------------------------------------
+__global__ void __launch_bounds__(kThreads) combine_bwd(moefuse_combine_bwd_args p) {
+  const int k = p.top_k, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int t = blockIdx.x * kWarps + warp;
+  if (t >= p.tokens) return;
+  const int n = p.hidden / 8;
+  const uint4* dy = reinterpret_cast<const uint4*>(p.dy + size_t(t) * p.hidden);
+  for (int j = 0; j < k; ++j) {
+    const int row = p.row_of[size_t(t) * k + j];
+    if (row < 0) {
+      if (lane == 0) p.d_weights[size_t(t) * k + j] = 0.f;
+      continue;
+    }
+    const float w = p.weights[size_t(t) * k + j];
+    const uint4* y = reinterpret_cast<const uint4*>(p.y + size_t(row) * p.hidden);
+    uint4* out = reinterpret_cast<uint4*>(p.dy_perm + size_t(row) * p.hidden);
+    float dot = 0.f;
+    for (int c = lane; c < n; c += 32) {
+      const uint4 g = __ldg(dy + c);
+      dot += dot_bf16x8(g, __ldg(y + c));
+      out[c] = scale_bf16x8(g, w);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(~0u, dot, o);
+    if (lane == 0) p.d_weights[size_t(t) * k + j] = dot;
+  }
+}
+
+}  // namespace
+}  // namespace moefuse::moe
+
+using namespace moefuse::moe;
+
+extern "C" size_t moefuse_moe_permute_workspace(int32_t tokens, int32_t experts) {
+  const size_t chunks = tokens > 0 ? (size_t(tokens) + kChunk - 1) / kChunk : 1;
+  return chunks * size_t(experts > 0 ? experts : 1) * sizeof(int32_t);
+}
+
+extern "C" moefuse_status moefuse_moe_permute(const moefuse_permute_args* a, void* stream) {
+  const char* name = "moefuse_moe_permute";
+  if (!a) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null arguments", name);
+  if (a->tokens < 0 || a->experts < 1 || a->experts > kMaxExperts || a->top_k < 1 || a->top_k > kMaxTopK ||
+      (a->x_perm && (a->hidden < 8 || a->hidden % 8 != 0))) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d, experts %d, top_k %d, hidden %d out of range", name,
+                a->tokens, a->experts, a->top_k, a->hidden);
+  }
+  if (!a->topk_ids && a->tokens > 0) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null topk_ids", name);
+  if (!a->counts || !a->offsets || !a->row_of || !a->source_of || !a->workspace || (a->x_perm && !a->x)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null output or workspace", name);
+  }
+  if (a->x_perm && ((reinterpret_cast<uintptr_t>(a->x) | reinterpret_cast<uintptr_t>(a->x_perm)) % 16 != 0)) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: x and x_perm must be 16-byte aligned", name);
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  const int chunks = a->tokens > 0 ? (a->tokens + kChunk - 1) / kChunk : 0;
+  if (chunks > 0) {
+    const size_t smem = sizeof(int) * (size_t(kWarps) * a->experts + size_t(kWarps) * 32 * a->top_k);
+    permute_count<<<chunks, kThreads, smem, s>>>(*a);
+    if (auto st = after_launch("permute_count"); st != MOEFUSE_STATUS_OK) return st;
+  }
+  permute_scan<<<1, 1024, 0, s>>>(*a);
+  if (auto st = after_launch("permute_scan"); st != MOEFUSE_STATUS_OK) return st;
+  if (a->tokens > 0) {
+    permute_place<<<(a->tokens + kWarps - 1) / kWarps, kThreads, 0, s>>>(*a);
+    return after_launch("permute_place");
+  }
+  return MOEFUSE_STATUS_OK;
+}
+
+extern "C" moefuse_status moefuse_moe_combine(const moefuse_combine_args* a, void* stream) {
+  const char* name = "moefuse_moe_combine";
+  if (!a) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null arguments", name);
+  if (a->tokens < 0 || a->top_k < 1 || a->top_k > kMaxTopK || a->hidden < 8 || a->hidden % 8 != 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d, top_k %d, hidden %d out of range", name, a->tokens,
+                a->top_k, a->hidden);
+  }
+  if (a->tokens == 0) return MOEFUSE_STATUS_OK;
+  if (!a->row_of || !a->y || !a->out) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
+  if ((reinterpret_cast<uintptr_t>(a->y) | reinterpret_cast<uintptr_t>(a->out)) % 16 != 0) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: y and out must be 16-byte aligned", name);
+  }
+  combine<<<(a->tokens + kWarps - 1) / kWarps, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*a);
+  return after_launch(name);
+}
+
+extern "C" moefuse_status moefuse_moe_combine_bwd(const moefuse_combine_bwd_args* a, void* stream) {
+  const char* name = "moefuse_moe_combine_bwd";
+  if (!a) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null arguments", name);
+  if (a->tokens < 0 || a->top_k < 1 || a->top_k > kMaxTopK || a->hidden < 8 || a->hidden % 8 != 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d, top_k %d, hidden %d out of range", name, a->tokens,
+                a->top_k, a->hidden);
+  }
+  if (a->tokens == 0) return MOEFUSE_STATUS_OK;
+  if (!a->row_of || !a->weights || !a->dy || !a->y || !a->dy_perm || !a->d_weights) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
+  }
+  if ((reinterpret_cast<uintptr_t>(a->dy) | reinterpret_cast<uintptr_t>(a->y) |
+       reinterpret_cast<uintptr_t>(a->dy_perm)) % 16 != 0) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: dy, y and dy_perm must be 16-byte aligned", name);
+  }
+  combine_bwd<<<(a->tokens + kWarps - 1) / kWarps, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(*a);
+  return after_launch(name);
+}
