@@ -34,6 +34,9 @@ struct Args {
     /// Timed samples per phase.
     #[arg(long, default_value_t = 20)]
     samples: usize,
+    /// Also print per-stage times of one forward and backward.
+    #[arg(long)]
+    profile: bool,
 }
 
 /// (name, D, I, E, k, activation, layout)
@@ -244,6 +247,22 @@ fn bench_case(
             b_us.push(b.elapsed_ms(&c)? as f64 * 1e3);
             fb_us.push(a.elapsed_ms(&c)? as f64 * 1e3);
         }
+    }
+    if args.profile {
+        layer.set_profiling(true);
+        layer.forward(&xs[0], t, ext(), &mut y)?;
+        let f = layer.stage_times()?;
+        layer.backward(&dy, &mut dx, &mut grads, false)?;
+        let b = layer.stage_times()?;
+        layer.set_profiling(false);
+        let show = |v: Vec<(&str, f32)>| {
+            v.iter()
+                .map(|(n, ms)| format!("{n} {:.0}", ms * 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        println!("  {model} t{t} stages (us): fwd [{}]", show(f));
+        println!("  {model} t{t} stages (us): bwd [{}]", show(b));
     }
     let fwd_flops = 6.0 * (t * k * d * cfg.intermediate) as f64;
     let rec = |phase: &str, us: Vec<f64>, flops: f64| {

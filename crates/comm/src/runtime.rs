@@ -203,6 +203,26 @@ impl Runtime {
         &self.lib.0
     }
 
+    /// PEs sharing this PE's GPU (NVSHMEM's `NVSHMEMI_TEAM_SAME_GPU`): more than one means
+    /// NVSHMEM's "limited MPG" mode, where it aborts the process on team splits and on
+    /// host-initiated stream operations; the calls that would abort return
+    /// [`CommError::Unsupported`] instead. Device-initiated communication (our kernels)
+    /// works there.
+    pub fn pes_sharing_gpu(&self) -> usize {
+        const TEAM_SAME_GPU: i32 = 4;
+        raw::team_n_pes(&self.lib.0, TEAM_SAME_GPU).max(1) as usize
+    }
+
+    pub(crate) fn refuse_in_mpg(&self, what: &str) -> Result<(), CommError> {
+        let sharing = self.pes_sharing_gpu();
+        if sharing > 1 {
+            return Err(CommError::Unsupported(format!(
+                "{what} with {sharing} PEs on one GPU: NVSHMEM supports it only with one PE per GPU (or MPS)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Collectively allocates `len` elements of `T` on the symmetric heap (every rank must
     /// call it with the same `len`, in the same order).
     pub fn alloc<T: Copy>(self: &Arc<Self>, len: usize) -> Result<SymmetricBuffer<T>, CommError> {

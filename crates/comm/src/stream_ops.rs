@@ -68,6 +68,7 @@ impl<T: Copy> SymmetricBuffer<T> {
         pe: usize,
         signal: Option<Signal<'_>>,
     ) -> Result<(), CommError> {
+        self.runtime().refuse_in_mpg("put_on_stream")?;
         self.check_pe(pe)?;
         range(self, offset, src.len())?;
         let (sig_ptr, value, op) = match &signal {
@@ -116,6 +117,7 @@ impl<T: Copy> SymmetricBuffer<T> {
         offset: usize,
         pe: usize,
     ) -> Result<(), CommError> {
+        self.runtime().refuse_in_mpg("get_on_stream")?;
         self.check_pe(pe)?;
         range(self, offset, dst.len())?;
         let bytes = dst.len() * std::mem::size_of::<T>();
@@ -159,7 +161,9 @@ impl SymmetricBuffer<u64> {
 }
 
 /// Completes every stream-ordered put this PE issued before, in `stream`'s order.
-pub fn quiet_on_stream(runtime: &crate::Runtime, stream: &CudaStream) {
+pub fn quiet_on_stream(runtime: &crate::Runtime, stream: &CudaStream) -> Result<(), CommError> {
+    runtime.refuse_in_mpg("quiet_on_stream")?;
     // SAFETY: `stream` is a live stream; the runtime is initialised.
-    unsafe { raw::quiet_on_stream(runtime.host(), stream.cu_stream() as *mut c_void) }
+    unsafe { raw::quiet_on_stream(runtime.host(), stream.cu_stream() as *mut c_void) };
+    Ok(())
 }

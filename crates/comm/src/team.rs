@@ -6,8 +6,6 @@ use std::sync::Arc;
 
 const TEAM_WORLD: i32 = 0;
 const TEAM_INVALID: i32 = -1;
-/// `NVSHMEMI_TEAM_SAME_GPU`: the PEs sharing this PE's GPU.
-const TEAM_SAME_GPU: i32 = 4;
 
 /// A set of PEs with its own numbering. The world team lives as long as the runtime; a
 /// split team is destroyed on drop.
@@ -61,12 +59,7 @@ impl Team {
         let host = self.runtime.host();
         // NOTES: with several PEs on one GPU ("limited MPG", no MPS) NVSHMEM 3.4.5 aborts
         // the process inside team_split_strided (measured on the H200): refuse first.
-        let sharing = raw::team_n_pes(host, TEAM_SAME_GPU);
-        if sharing > 1 {
-            return Err(CommError::Unsupported(format!(
-                "team split with {sharing} PEs on one GPU: NVSHMEM supports it only with one PE per GPU (or MPS)"
-            )));
-        }
+        self.runtime.refuse_in_mpg("team split")?;
         let mut handle = TEAM_INVALID;
         let status = raw::team_split_strided(
             host,
@@ -113,6 +106,7 @@ impl Team {
 
     /// A barrier-free synchronisation of the team's PEs, ordered on `stream`.
     pub fn sync_on_stream(&self, stream: &CudaStream) -> Result<(), CommError> {
+        self.runtime.refuse_in_mpg("team sync on a stream")?;
         let status =
             raw::team_sync_on_stream(self.runtime.host(), self.handle, stream.cu_stream() as _);
         if status != 0 {

@@ -83,7 +83,12 @@ fn cases() -> Vec<Case> {
         c(
             "bounded_swiglu_grouped_sigmoid",
             MoeConfig::new(192, 128, 16, 4)
-                .with_activation(Activation::BoundedSwiGlu { limit: 1.5 })
+                // NOTES: a clamp inside the bulk of the pre-activations (limit 1.5 with
+                // inputs of unit scale) flips for elements within bf16 rounding of the
+                // limit, where the GPU's stored h_pre and the f32 reference disagree on
+                // whether the clamp is active (zero vs full gradient): 2.2e-2 on d_gate_up
+                // in one run. 3.0 keeps the clamp active on a few percent of elements.
+                .with_activation(Activation::BoundedSwiGlu { limit: 3.0 })
                 .with_router(grouped),
             199,
             Route::Ours,

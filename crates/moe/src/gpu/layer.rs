@@ -129,6 +129,8 @@ pub struct MoeLayer {
     saved: Saved,
     scratch: Scratch,
     forwarded: bool,
+    /// Stage events of the last call when profiling (`set_profiling`).
+    profile: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
 }
 
 impl MoeLayer {
@@ -265,12 +267,48 @@ impl MoeLayer {
             saved,
             scratch,
             forwarded: false,
+            profile: None,
         })
     }
 
     /// The configuration.
     pub fn config(&self) -> &MoeConfig {
         &self.cfg
+    }
+
+    /// Records a CUDA event after every stage of the following calls (not under graph
+    /// capture), for [`MoeLayer::stage_times`].
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(Vec::new);
+    }
+
+    /// Milliseconds per stage of the last forward or backward when profiling (synchronises
+    /// the stream), in order: e.g. `permute`, `gate_up`, `activation`, `down`, `combine`.
+    pub fn stage_times(&self) -> Result<Vec<(&'static str, f32)>, MoeError> {
+        let Some(events) = &self.profile else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for pair in events.windows(2) {
+            pair[1].1.synchronize()?;
+            out.push((pair[1].0, pair[0].1.elapsed_ms(&pair[1].1)?));
+        }
+        Ok(out)
+    }
+
+    fn mark(
+        profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
+        stream: &Arc<CudaStream>,
+        stage: &'static str,
+    ) -> Result<(), MoeError> {
+        if let Some(events) = profile {
+            let ev = stream
+                .context()
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            ev.record(stream)?;
+            events.push((stage, ev));
+        }
+        Ok(())
     }
 
     /// Zeroed gradient buffers for this layer (reuse them across calls).
@@ -331,6 +369,10 @@ impl MoeLayer {
         buf("x [T, D]", tokens * d, x.len())?;
         buf("y [T, D]", tokens * d, y.len())?;
         let s = self.stream.clone();
+        if let Some(ev) = self.profile.as_mut() {
+            ev.clear();
+        }
+        Self::mark(&mut self.profile, &s, "start")?;
         let sv = &mut self.saved;
         match routing {
             Routing::Logits(logits) => {
@@ -463,6 +505,10 @@ impl MoeLayer {
         buf("dy [T, D]", t * d, dy.len())?;
         buf("dx [T, D]", t * d, dx.len())?;
         let s = self.stream.clone();
+        if let Some(ev) = self.profile.as_mut() {
+            ev.clear();
+        }
+        Self::mark(&mut self.profile, &s, "start")?;
         let sc = &mut self.scratch;
         combine_backward(
             &s,
@@ -476,6 +522,7 @@ impl MoeLayer {
             &mut sc.dy_perm,
             &mut grads.d_topk_weights,
         )?;
+        Self::mark(&mut self.profile, &s, "combine bwd")?;
         let g = |e: moefuse_grouped_gemm::GemmError| gemm_err(e);
         let gemm = &self.gemm;
         let off = &sv.perm.offsets;
@@ -491,6 +538,7 @@ impl MoeLayer {
             ws,
         )
         .map_err(g)?;
+        Self::mark(&mut self.profile, &s, "down dgrad")?;
         gemm.run(
             &self.plans.down_wgrad[acc],
             &s,
@@ -501,6 +549,7 @@ impl MoeLayer {
             ws,
         )
         .map_err(g)?;
+        Self::mark(&mut self.profile, &s, "down wgrad")?;
         let rows_cap = self.max_tokens * k;
         let last = off.slice(e - 1..);
         activation_backward(
@@ -511,6 +560,7 @@ impl MoeLayer {
             &sc.dh,
             &mut sc.d_h_pre,
         )?;
+        Self::mark(&mut self.profile, &s, "activation bwd")?;
         gemm.run(
             &self.plans.gate_up_dgrad,
             &s,
@@ -521,6 +571,7 @@ impl MoeLayer {
             ws,
         )
         .map_err(g)?;
+        Self::mark(&mut self.profile, &s, "gate_up dgrad")?;
         gemm.run(
             &self.plans.gate_up_wgrad[acc],
             &s,
@@ -531,7 +582,9 @@ impl MoeLayer {
             ws,
         )
         .map_err(g)?;
+        Self::mark(&mut self.profile, &s, "gate_up wgrad")?;
         combine(&s, t, k, d, &sv.perm.row_of, None, &sc.dx_perm, dx)?;
+        Self::mark(&mut self.profile, &s, "dx combine")?;
         if sv.routed {
             route_backward(
                 &self.cfg,
@@ -542,6 +595,7 @@ impl MoeLayer {
                 &grads.d_topk_weights,
                 &mut grads.d_logits,
             )?;
+            Self::mark(&mut self.profile, &s, "router bwd")?;
         }
         Ok(())
     }
