@@ -150,9 +150,30 @@ fn host_check(
     ws: &[f32],
     n: usize,
 ) -> Vec<f32> {
-    let (d, i, k, w) = (cfg.hidden, cfg.intermediate, cfg.top_k, cfg.gate_up_width());
+    let d = cfg.hidden;
     let mut y = vec![0f32; n * d];
-    for t in 0..n {
+    // One thread per token: the big models' experts make this seconds of f64 work.
+    std::thread::scope(|scope| {
+        for (t, y_t) in y.chunks_mut(d).enumerate() {
+            scope.spawn(move || one_token(cfg, gate_up, down, x, ids, ws, t, y_t));
+        }
+    });
+    y
+}
+
+#[allow(clippy::too_many_arguments)]
+fn one_token(
+    cfg: &MoeConfig,
+    gate_up: &[bf16],
+    down: &[bf16],
+    x: &[bf16],
+    ids: &[i32],
+    ws: &[f32],
+    t: usize,
+    y: &mut [f32],
+) {
+    let (d, i, k, w) = (cfg.hidden, cfg.intermediate, cfg.top_k, cfg.gate_up_width());
+    {
         let xr: Vec<f64> = x[t * d..(t + 1) * d].iter().map(|v| v.to_f64()).collect();
         for j in 0..k {
             let ex = ids[t * k + j] as usize;
@@ -169,11 +190,10 @@ fn host_check(
             for c in 0..d {
                 let row = &down[(ex * d + c) * i..(ex * d + c + 1) * i];
                 let v: f64 = row.iter().zip(&h).map(|(a, b)| a.to_f64() * b).sum();
-                y[t * d + c] += (ws[t * k + j] as f64 * bf16::from_f64(v).to_f64()) as f32;
+                y[c] += (ws[t * k + j] as f64 * bf16::from_f64(v).to_f64()) as f32;
             }
         }
     }
-    y
 }
 
 #[allow(clippy::too_many_arguments)]
