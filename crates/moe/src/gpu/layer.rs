@@ -417,6 +417,7 @@ impl MoeLayer {
             }
         }
         sv.tokens = tokens;
+        Self::mark(&mut self.profile, &s, "route")?;
         permute(
             &s,
             tokens,
@@ -428,6 +429,7 @@ impl MoeLayer {
             &mut sv.perm,
             Some(&mut sv.x_perm),
         )?;
+        Self::mark(&mut self.profile, &s, "permute+gather")?;
         let ws = &mut self.scratch.workspace;
         let g = |e: moefuse_grouped_gemm::GemmError| gemm_err(e);
         let gemm = &self.gemm;
@@ -441,6 +443,7 @@ impl MoeLayer {
             ws,
         )
         .map_err(g)?;
+        Self::mark(&mut self.profile, &s, "gate_up gemm")?;
         let rows_cap = self.max_tokens * k;
         let last = sv.perm.offsets.slice(e - 1..);
         activation_forward(
@@ -450,6 +453,7 @@ impl MoeLayer {
             &sv.h_pre,
             &mut sv.h,
         )?;
+        Self::mark(&mut self.profile, &s, "activation")?;
         gemm.run(
             &self.plans.down,
             &s,
@@ -460,6 +464,7 @@ impl MoeLayer {
             ws,
         )
         .map_err(g)?;
+        Self::mark(&mut self.profile, &s, "down gemm")?;
         combine(
             &s,
             tokens,
@@ -470,6 +475,7 @@ impl MoeLayer {
             &sv.y_e,
             y,
         )?;
+        Self::mark(&mut self.profile, &s, "combine")?;
         self.forwarded = true;
         Ok(())
     }
