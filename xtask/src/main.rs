@@ -66,7 +66,8 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
-    /// Run the GEMM demo (on the GPU when present, else the CPU reference).
+    /// Run the MoE-layer example (Qwen3-30B-A3B-sized, on the GPU when present, else the
+    /// CPU reference of a small layer).
     Demo {
         /// Arguments for the demo binary.
         #[arg(trailing_var_arg = true)]
@@ -170,9 +171,9 @@ fn demo(args: &[String]) -> Result<()> {
                 "--release",
                 "--quiet",
                 "-p",
-                "moefuse-grouped-gemm",
+                "moefuse",
                 "--example",
-                "gemm_demo",
+                "qwen3_moe",
                 "--",
             ])
             .args(args)
