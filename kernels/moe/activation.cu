@@ -67,10 +67,13 @@ struct Point {
   float h, dg, du;
 };
 
+// NOTES: fast exp and division (2 ulp): the outputs are bf16, and the exact versions made
+// the forward compute-bound at ~2 TB/s (measured: 150 us for Qwen3-30B-A3B at 8192 tokens).
+// Both branches keep the denominator in [1, 2], where __fdividef is exact to 2 ulp.
 __device__ __forceinline__ float sigmoidf_(float x) {
-  if (x >= 0.f) return 1.f / (1.f + expf(-x));
-  float e = expf(x);
-  return e / (1.f + e);
+  if (x >= 0.f) return __fdividef(1.f, 1.f + __expf(-x));
+  float e = __expf(x);
+  return __fdividef(e, 1.f + e);
 }
 
 __device__ __forceinline__ Point eval(int act, float alpha, float limit, float g, float u) {
@@ -194,7 +197,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t n = rows * chunks;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / chunks;
+    // 32-bit division when the index fits (the 64-bit one costs ~4x the instructions).
+    const int64_t r = n <= 0xffffffffll ? int64_t(uint32_t(i) / uint32_t(chunks)) : i / chunks;
     const int j0 = int(i - r * chunks) * V;
     float g[V], u[V], out[V];
     load_pairs<V>(p, h_pre + r * width, j0, g, u);
@@ -219,7 +223,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t n = rows * chunks;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / chunks;
+    // 32-bit division when the index fits (the 64-bit one costs ~4x the instructions).
+    const int64_t r = n <= 0xffffffffll ? int64_t(uint32_t(i) / uint32_t(chunks)) : i / chunks;
     const int j0 = int(i - r * chunks) * V;
     float g[V], u[V], d[V], dg[V], du[V];
     load_pairs<V>(p, h_pre + r * width, j0, g, u);
