@@ -122,6 +122,28 @@ pub(crate) fn wave_cost(
     waves as f64 * (tile_m * tile_n) as f64 / efficiency
 }
 
+/// [`wave_cost`] for M-grouped problems whose group sizes vary around the hint `p.m` (routed
+/// tokens): each group's last M-tile is partial and, with a cluster of `cluster_m` CTAs
+/// along M, the scheduler counts a group's tiles in whole clusters. Expected M-tiles per
+/// group: `m / tile_m + 1/2` (the partial tile), plus `(cluster_m - 1) / 2` (the incomplete
+/// cluster). Dense or single-group problems fall back to [`wave_cost`].
+pub(crate) fn ragged_wave_cost(
+    p: &Problem,
+    tile_m: usize,
+    tile_n: usize,
+    cluster_m: usize,
+    sms: usize,
+    efficiency: f64,
+) -> f64 {
+    let grouped_m = matches!(p.op, Op::GroupedFwdBnk | Op::GroupedFwdBkn) && p.groups > 1;
+    if !grouped_m {
+        return wave_cost(p, tile_m, tile_n, sms, efficiency);
+    }
+    let m_tiles = p.m as f64 / tile_m as f64 + 0.5 + (cluster_m.max(1) - 1) as f64 / 2.0;
+    let tiles = p.groups as f64 * m_tiles * p.n.div_ceil(tile_n) as f64;
+    (tiles / sms.max(1) as f64).ceil() * (tile_m * tile_n) as f64 / efficiency
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

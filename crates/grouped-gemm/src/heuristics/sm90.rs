@@ -2,7 +2,7 @@
 //! tiles to fill the 132 SMs; smaller M or N move to 128x128, and decode-sized M (≤ 64
 //! rows) to the 64x128 ping-pong tile, whose M wastes least on few rows.
 
-use super::{wave_cost, ArchSpec, Device, Problem};
+use super::{ragged_wave_cost, ArchSpec, Device, Problem};
 use moefuse_kernels::{CompiledVariant, Schedule, VariantArch};
 
 pub(crate) struct Sm90;
@@ -18,13 +18,20 @@ impl ArchSpec for Sm90 {
         // on Qwen3 EP1 gate_up/down, 128x128 at 0.94/0.87 of 128x256 and 64x128 ping-pong
         // at 0.63/0.73 (suite grouped_gemm_sweep); dense 8192³ 0.89 and 0.40
         // (docs/perf-notes.md). Ping-pong wins only when M is too small to fill 128 rows.
-        let efficiency = match (v.spec.schedule, tm, tn) {
-            (Schedule::Cooperative, 128, 256) => 1.0,
-            (Schedule::Cooperative, 128, 128) => 0.9,
-            (Schedule::Pingpong, 64, 128) => 0.6,
+        // The 1x1-cluster twin of 128x256 loses the multicast of B: taken as 3% slower per
+        // tile (to be measured); it wins on routed (ragged) groups by not rounding each
+        // group's M-tiles up to whole clusters.
+        let cluster_m = v.spec.cluster[0] as usize;
+        let efficiency = match (v.spec.schedule, tm, tn, cluster_m) {
+            (Schedule::Cooperative, 128, 256, 1) => 0.97,
+            (Schedule::Cooperative, 128, 256, _) => 1.0,
+            (Schedule::Cooperative, 128, 128, _) => 0.9,
+            (Schedule::Pingpong, 64, 128, _) => 0.6,
             _ => 0.5,
         };
-        Some(wave_cost(p, tm, tn, device.sms, efficiency))
+        Some(ragged_wave_cost(
+            p, tm, tn, cluster_m, device.sms, efficiency,
+        ))
     }
 }
 
@@ -50,9 +57,19 @@ mod tests {
         };
         let v = choose(&Sm90, &qwen, device, None).unwrap();
         assert_eq!(
-            (v.spec.tile, v.spec.schedule),
-            ([128, 256, 64], Schedule::Cooperative)
+            (v.spec.tile, v.spec.cluster, v.spec.schedule),
+            ([128, 256, 64], [1, 1], Schedule::Cooperative),
+            "routed groups: the 1x1 cluster wastes no M-tiles"
         );
+        let dense = Problem {
+            op: Op::GemmBnk,
+            groups: 1,
+            m: 8192,
+            n: 8192,
+            k: 8192,
+        };
+        let v = choose(&Sm90, &dense, device, None).unwrap();
+        assert_eq!(v.spec.cluster, [2, 1], "dense: the multicast cluster");
         let decode = Problem { m: 1, ..qwen };
         let v = choose(&Sm90, &decode, device, None).unwrap();
         assert_eq!(
