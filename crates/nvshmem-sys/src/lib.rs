@@ -127,8 +127,19 @@ fn python_package_lib() -> Option<PathBuf> {
 
 /// Opens the host library from the first candidate that loads.
 pub fn load(explicit: Option<&Path>) -> Result<NvshmemHost, LoadError> {
+    load_first(library_candidates(explicit))
+}
+
+/// Opens the first of `candidates` that loads; the error lists every path and why it
+/// failed.
+///
+/// ```
+/// let err = nvshmem_sys::load_first(vec!["/nowhere/libnvshmem_host.so.3".into()]).err().unwrap();
+/// assert!(err.to_string().contains("/nowhere/libnvshmem_host.so.3"));
+/// ```
+pub fn load_first(candidates: Vec<PathBuf>) -> Result<NvshmemHost, LoadError> {
     let mut tried = Vec::new();
-    for path in library_candidates(explicit) {
+    for path in candidates {
         if !path.exists() {
             tried.push((path, "no such file".into()));
             continue;

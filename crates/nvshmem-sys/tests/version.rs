@@ -34,3 +34,17 @@ fn loaded_library_matches_bindings() {
         "library patch {patch} differs from the bound {bp}"
     );
 }
+
+#[test]
+fn a_missing_library_names_every_place_it_looked() {
+    let err = nvshmem_sys::load_first(vec![
+        "/nowhere/libnvshmem_host.so.3".into(),
+        "/etc/hostname".into(), // exists, is not a library
+    ])
+    .err()
+    .expect("no candidate can load");
+    let text = err.to_string();
+    assert!(text.contains("/nowhere/libnvshmem_host.so.3"), "{text}");
+    assert!(text.contains("no such file"), "{text}");
+    assert!(text.contains("/etc/hostname"), "{text}");
+}
