@@ -33,10 +33,13 @@
 #include <nvshmemx.h>
 
 #include "moefuse/comm/ep_params.h"
+#include "moefuse/common/rows.cuh"
 
 #if !defined(__CUDA_ARCH__) || (__CUDA_ARCH__ >= 900)
 
 namespace {
+
+using namespace moefuse::rows;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -49,34 +52,7 @@ __device__ __forceinline__ int row_width(const moefuse_ep_params& p) { return p.
 
 __device__ __forceinline__ void flag(const moefuse_ep_params& p, uint32_t bit) { atomicOr(p.status + 1, bit); }
 
-// Loads per lane kept in flight by the row copies: a warp moves 32 x kUnroll x 16 bytes
-// per step, which with 16 warps per SM covers memory latency (one load per lane did not:
-// 0.1 TB/s in the first version).
-constexpr int kUnroll = 4;
 constexpr int kMaxTopK = 16;
-
-// Copies one bf16 row of `hidden` elements (hidden % 8 == 0) with the whole warp into
-// `n_dst` destinations (a received row feeding several local experts is read once).
-__device__ __forceinline__ void warp_copy_row_to(uint16_t* const* dst, int n_dst, const uint16_t* src, int hidden,
-                                                 int lane) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  const int n = hidden / 8;
-  int c = lane;
-  for (; c + 32 * (kUnroll - 1) < n; c += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(s + c + 32 * u);
-    for (int j = 0; j < n_dst; ++j) {
-      uint4* d = reinterpret_cast<uint4*>(dst[j]);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) d[c + 32 * u] = v[u];
-    }
-  }
-  for (; c < n; c += 32) {
-    const uint4 v = __ldcg(s + c);
-    for (int j = 0; j < n_dst; ++j) reinterpret_cast<uint4*>(dst[j])[c] = v;
-  }
-}
 
 // Load/store addresses of this kernel's symmetric buffers on every PE (null where only
 // NVSHMEM puts reach it), looked up once per block.
@@ -127,24 +103,6 @@ __device__ __forceinline__ int source_of(const moefuse_ep_params& p, int i) {
   int s = 0;
   while (s + 1 < p.ranks && p.src_base[s + 1] <= i) ++s;
   return s;
-}
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v, float w) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    float2 f = __bfloat1622float2(h[q]);
-    acc[2 * q] += w * f.x;
-    acc[2 * q + 1] += w * f.y;
-  }
-}
-
-__device__ __forceinline__ uint4 to_bf16x8(const float (&acc)[8]) {
-  uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-  return v;
 }
 
 }  // namespace
@@ -310,8 +268,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
       const bool here = row_in_expert >= 0 && e / p.local_experts == d;
       const int info = lane < k ? (here ? row_in_expert : -1) : t;
       if (uint16_t* peer_x = peers.stage_x[d]) {
-        uint16_t* dst = peer_x + i * D;
-        warp_copy_row_to(&dst, 1, src, D, lane);
+        uint4* dst = reinterpret_cast<uint4*>(peer_x + i * D);
+        warp_copy_row_to(&dst, 1, reinterpret_cast<const uint4*>(src), D / 8, lane);
         if (lane <= k) peers.stage_info[d][i * (k + 1) + lane] = info;
         if (lane < k) peers.stage_w[d][i * k + lane] = w;
       } else {
@@ -326,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
 
 // ---- expand: grid G, block 256 --------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse_ep_params p) {
-  __shared__ uint16_t* dst_rows[kWarps][kMaxTopK];
+  __shared__ uint4* dst_rows[kWarps][kMaxTopK];
   const uint64_t epoch = *p.epoch;
   wait_all(p, p.disp_sig, epoch);
   const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -343,14 +301,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
     const unsigned valid = __ballot_sync(~0u, row >= 0);
     if (row >= 0) {
       const int slot = lane;
-      dst_rows[warp][__popc(valid & ((1u << lane) - 1))] = p.recv_x + size_t(row) * D;
+      dst_rows[warp][__popc(valid & ((1u << lane) - 1))] = reinterpret_cast<uint4*>(p.recv_x + size_t(row) * D);
       p.recv_w[row] = __ldcg(p.stage_w + size_t(i) * k + slot);
       p.recv_origin[3 * size_t(row) + 0] = source_of(p, i);
       p.recv_origin[3 * size_t(row) + 1] = __ldcg(info + k);
       p.recv_origin[3 * size_t(row) + 2] = slot;
     }
     __syncwarp();
-    warp_copy_row_to(dst_rows[warp], __popc(valid), p.stage_x + size_t(i) * D, D, lane);
+    warp_copy_row_to(dst_rows[warp], __popc(valid), reinterpret_cast<const uint4*>(p.stage_x + size_t(i) * D), D / 8,
+                     lane);
     __syncwarp();
   }
 }
@@ -383,28 +342,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(m
     for (int q = 0; q < p.rank; ++q) at += p.counts_all[src * C + p.experts + q];
     uint16_t* peer = peers.comb_x[src];
     uint4* target = reinterpret_cast<uint4*>(peer ? peer + size_t(at) * D : p.stage_x + size_t(i) * D);
-    // Each lane sums kUnroll vectors of every row before storing (loads in flight).
-    const int n = D / 8;
-    for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
-      float acc[kUnroll][8] = {};
-      for (int j = 0; j < n_rows; ++j) {
-        const uint4* yr = y_rows[warp][j];
-        const float w = y_w[warp][j];
-        uint4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + 32 * u < n) v[u] = __ldg(yr + c0 + 32 * u);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], w);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + 32 * u < n) target[c0 + 32 * u] = to_bf16x8(acc[u]);
-      }
-    }
+    warp_weighted_sum(y_rows[warp], y_w[warp], n_rows, target, D / 8, lane);
     if (!peer) {
       // The staged row is no longer needed: it held the partial; put it to the source.
       __syncwarp();
@@ -438,25 +376,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_reduce
       n_parts += __popc(has);
     }
     __syncwarp();
-    uint4* out = reinterpret_cast<uint4*>(p.out + size_t(t) * D);
-    for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
-      float acc[kUnroll][8] = {};
-      for (int j = 0; j < n_parts; ++j) {
-        uint4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + 32 * u < n) v[u] = __ldcg(parts[warp][j] + c0 + 32 * u);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], 1.f);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + 32 * u < n) out[c0 + 32 * u] = to_bf16x8(acc[u]);
-      }
-    }
+    warp_weighted_sum(parts[warp], nullptr, n_parts, reinterpret_cast<uint4*>(p.out + size_t(t) * D), n, lane);
     __syncwarp();
   }
 }

@@ -15,6 +15,7 @@
 
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
+#include "moefuse/common/rows.cuh"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
 static_assert(sizeof(moefuse_permute_args) == 88 && offsetof(moefuse_permute_args, topk_ids) == 16 &&
@@ -28,12 +29,13 @@ static_assert(sizeof(moefuse_combine_bwd_args) == 64 && offsetof(moefuse_combine
 namespace moefuse::moe {
 namespace {
 
+using namespace moefuse::rows;
+
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_PERMUTE_CHUNK;
 constexpr int kMaxExperts = 512;
 constexpr int kMaxTopK = 16;
-constexpr int kUnroll = 4;
 static_assert(kChunk == kWarps * 32, "count: 32 tokens per warp");
 
 __device__ __forceinline__ void raise(uint32_t* flags, uint32_t bit) {
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(1024) permute_scan(moefuse_permute_args p) {
 
 // ---- place: final rows, inverse map, gather --------------------------------------------
 __global__ void __launch_bounds__(kThreads) permute_place(moefuse_permute_args p) {
-  __shared__ uint16_t* dst[kWarps][kMaxTopK];
+  __shared__ uint4* dst[kWarps][kMaxTopK];
   const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int t = blockIdx.x * kWarps + warp;
   if (t >= p.tokens) return;
@@ -127,65 +129,9 @@ __global__ void __launch_bounds__(kThreads) permute_place(moefuse_permute_args p
   }
   if (!p.x_perm) return;
   const unsigned valid = __ballot_sync(~0u, row >= 0);
-  if (row >= 0) dst[warp][__popc(valid & ((1u << lane) - 1))] = p.x_perm + size_t(row) * D;
+  if (row >= 0) dst[warp][__popc(valid & ((1u << lane) - 1))] = reinterpret_cast<uint4*>(p.x_perm + size_t(row) * D);
   __syncwarp();
-  const int n_dst = __popc(valid);
-  const uint4* src = reinterpret_cast<const uint4*>(p.x + size_t(t) * D);
-  const int n = D / 8;
-  int c = lane;
-  for (; c + 32 * (kUnroll - 1) < n; c += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(src + c + 32 * u);
-    for (int j = 0; j < n_dst; ++j) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) reinterpret_cast<uint4*>(dst[warp][j])[c + 32 * u] = v[u];
-    }
-  }
-  for (; c < n; c += 32) {
-    const uint4 v = __ldg(src + c);
-    for (int j = 0; j < n_dst; ++j) reinterpret_cast<uint4*>(dst[warp][j])[c] = v;
-  }
-}
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v, float w) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = __bfloat1622float2(h[q]);
-    acc[2 * q] += w * f.x;
-    acc[2 * q + 1] += w * f.y;
-  }
-}
-
-__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
-  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
-  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
-  float s = 0.f;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = __bfloat1622float2(x[q]), g = __bfloat1622float2(y[q]);
-    s += f.x * g.x + f.y * g.y;
-  }
-  return s;
-}
-
-__device__ __forceinline__ uint4 scale_bf16x8(uint4 v, float w) {
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = __bfloat1622float2(h[q]);
-    h[q] = __floats2bfloat162_rn(w * f.x, w * f.y);
-  }
-  return v;
-}
-
-__device__ __forceinline__ uint4 to_bf16x8(const float (&acc)[8]) {
-  uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-  return v;
+  warp_copy_row_to(dst[warp], __popc(valid), reinterpret_cast<const uint4*>(p.x + size_t(t) * D), D / 8, lane);
 }
 
 // ---- combine: warp per token -------------------------------------------------------------
@@ -203,26 +149,8 @@ __global__ void __launch_bounds__(kThreads) combine(moefuse_combine_args p) {
     ws[warp][at] = p.weights ? p.weights[size_t(t) * k + lane] : 1.f;
   }
   __syncwarp();
-  const int n_rows = __popc(valid), n = p.hidden / 8;
-  uint4* out = reinterpret_cast<uint4*>(p.out + size_t(t) * p.hidden);
-  for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
-    float acc[kUnroll][8] = {};
-    for (int j = 0; j < n_rows; ++j) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + 32 * u < n) v[u] = __ldg(rows[warp][j] + c0 + 32 * u);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], ws[warp][j]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (c0 + 32 * u < n) out[c0 + 32 * u] = to_bf16x8(acc[u]);
-    }
-  }
+  warp_weighted_sum(rows[warp], ws[warp], __popc(valid), reinterpret_cast<uint4*>(p.out + size_t(t) * p.hidden),
+                    p.hidden / 8, lane);
 }
 
 // ---- combine backward: warp per token ----------------------------------------------------

@@ -1,0 +1,101 @@
+// Warp-wide operations on bf16 rows shared by the data-movement kernels (token
+// permutation and combine in kernels/moe/, expert-parallel dispatch and combine in
+// kernels/comm/): 16-byte vectors of 8 bf16, several loads in flight per lane.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace moefuse::rows {
+
+// Loads per lane kept in flight: a warp moves 32 x kUnroll x 16 bytes per step, which with
+// 16 warps per SM covers memory latency (one load per lane reached ~0.5 TB/s).
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v, float w) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] += w * f.x;
+    acc[2 * q + 1] += w * f.y;
+  }
+}
+
+__device__ __forceinline__ uint4 to_bf16x8(const float (&acc)[8]) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return v;
+}
+
+__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+  float s = 0.f;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(x[q]), g = __bfloat1622float2(y[q]);
+    s += f.x * g.x + f.y * g.y;
+  }
+  return s;
+}
+
+__device__ __forceinline__ uint4 scale_bf16x8(uint4 v, float w) {
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    h[q] = __floats2bfloat162_rn(w * f.x, w * f.y);
+  }
+  return v;
+}
+
+// Copies one row of `n` 16-byte vectors from `src` into `n_dst` destinations with the whole
+// warp (a row feeding several experts is read once). Loads bypass L1 (`src` may have been
+// written by a peer GPU during the kernel).
+__device__ __forceinline__ void warp_copy_row_to(uint4* const* dst, int n_dst, const uint4* src, int n, int lane) {
+  int c = lane;
+  for (; c + 32 * (kUnroll - 1) < n; c += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(src + c + 32 * u);
+    for (int j = 0; j < n_dst; ++j) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) dst[j][c + 32 * u] = v[u];
+    }
+  }
+  for (; c < n; c += 32) {
+    const uint4 v = __ldcg(src + c);
+    for (int j = 0; j < n_dst; ++j) dst[j][c] = v;
+  }
+}
+
+// out = sum_j w[j] * rows[j] over `n_rows` rows of `n` vectors (w null: weights 1), summed
+// in fp32 in row order (deterministic), written as bf16 with the whole warp.
+__device__ __forceinline__ void warp_weighted_sum(const uint4* const* rows, const float* w, int n_rows, uint4* out,
+                                                  int n, int lane) {
+  for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
+    float acc[kUnroll][8] = {};
+    for (int j = 0; j < n_rows; ++j) {
+      const float wj = w ? w[j] : 1.f;
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u < n) v[u] = __ldcg(rows[j] + c0 + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], wj);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (c0 + 32 * u < n) out[c0 + 32 * u] = to_bf16x8(acc[u]);
+    }
+  }
+}
+
+}  // namespace moefuse::rows
