@@ -612,13 +612,14 @@ fn misuse_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     Ok(())
 }
 
-/// N ranks of this binary on the one GPU (time-sliced contexts, no MPS), through the
-/// launcher and its unique-id rendezvous.
+/// N ranks of this binary through the launcher and its unique-id rendezvous: on one GPU
+/// (time-sliced contexts, no MPS) by default, or spread over `MOEFUSE_LAUNCH_GPUS` GPUs.
 fn n_pes(n: usize) -> Result<(), String> {
     let me = std::env::current_exe().map_err(e)?;
     let seed = Rng::fresh_seed();
     let mut spec = LaunchSpec::new(n, me, Vec::<String>::new());
-    spec.gpus = Some(1);
+    // GPUs from MOEFUSE_LAUNCH_GPUS (a multi-GPU machine), else all ranks on GPU 0.
+    spec.gpus = None;
     spec.timeout = Some(Duration::from_secs(100));
     spec.env
         .push(("MOEFUSE_TEST_SEED".into(), seed.to_string().into()));
