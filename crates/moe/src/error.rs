@@ -225,6 +225,14 @@ pub enum MoeError {
     /// A grouped GEMM of the layer rejected its problem or failed to launch.
     #[error("grouped GEMM: {0}")]
     Gemm(String),
+    /// Device-side routing the kernels flagged (see `MoeLayer::take_routing_errors`).
+    #[error("device routing had {}{}", if *out_of_range { "expert ids outside 0..experts (slots dropped) " } else { "" }, if *duplicate { "a token naming one expert twice" } else { "" })]
+    InvalidDeviceRouting {
+        /// Some id was outside `0..experts`.
+        out_of_range: bool,
+        /// Some token named one expert twice.
+        duplicate: bool,
+    },
     /// The layer was asked for a backward before any forward.
     #[error("backward called before any forward")]
     NoForward,

@@ -351,6 +351,74 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
         Err(MoeError::TokensOutOfRange { .. }) => {}
         other => return Err(format!("17 tokens on a 16-token layer: {other:?}")),
     }
+    // Host routing is checked before any launch; device routing is flagged by the kernels.
+    let ext_layer_cfg = cfg.with_router(RouterKind::External);
+    let mut ext = MoeLayer::new(&stream, ext_layer_cfg, 16, &w).map_err(e)?;
+    let mut ids = vec![0i32; 16 * 2];
+    for (t, pair) in ids.chunks_mut(2).enumerate() {
+        pair[0] = (t % 8) as i32;
+        pair[1] = ((t + 1) % 8) as i32;
+    }
+    let ws = vec![0.5f32; 16 * 2];
+    ext.forward(
+        &x,
+        16,
+        Routing::Host {
+            topk_ids: &ids,
+            topk_weights: &ws,
+        },
+        &mut y,
+    )
+    .map_err(e)?;
+    ext.take_routing_errors().map_err(e)?;
+    let mut bad = ids.clone();
+    bad[5] = 8;
+    match ext.forward(
+        &x,
+        16,
+        Routing::Host {
+            topk_ids: &bad,
+            topk_weights: &ws,
+        },
+        &mut y,
+    ) {
+        Err(MoeError::ExpertIdOutOfRange { .. }) => {}
+        other => return Err(format!("host id 8 of 8 experts: {other:?}")),
+    }
+    let mut dup = ids.clone();
+    dup[1] = dup[0];
+    match ext.forward(
+        &x,
+        16,
+        Routing::Host {
+            topk_ids: &dup,
+            topk_weights: &ws,
+        },
+        &mut y,
+    ) {
+        Err(MoeError::DuplicateExpert { .. }) => {}
+        other => return Err(format!("host duplicate expert: {other:?}")),
+    }
+    let bad_d = stream.clone_htod(&bad).map_err(e)?;
+    let ws_d = stream.clone_htod(&ws).map_err(e)?;
+    ext.forward(
+        &x,
+        16,
+        Routing::External {
+            topk_ids: &bad_d,
+            topk_weights: &ws_d,
+        },
+        &mut y,
+    )
+    .map_err(e)?;
+    match ext.take_routing_errors() {
+        Err(MoeError::InvalidDeviceRouting {
+            out_of_range: true, ..
+        }) => {}
+        other => return Err(format!("device id 8 of 8 experts not flagged: {other:?}")),
+    }
+    ext.take_routing_errors()
+        .map_err(|x| format!("flags not cleared: {x}"))?;
     let short = stream.alloc_zeros::<bf16>(10).map_err(e)?;
     match layer.forward(&short, 16, Routing::Logits(&l), &mut y) {
         Err(MoeError::BufferTooSmall { .. }) => {}

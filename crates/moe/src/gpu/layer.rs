@@ -37,7 +37,19 @@ use std::sync::Arc;
 pub enum Routing<'a> {
     /// Router logits `[T, E]` fp32; the layer's router (the config's kind) picks experts.
     Logits(&'a CudaSlice<f32>),
-    /// The caller's `topk_ids [T, k]` (int32) and `topk_weights [T, k]` (fp32).
+    /// The caller's routing on the host, checked before anything is launched (ids inside
+    /// `0..E`, no expert twice in a token: a typed error otherwise), then copied to the
+    /// device. Not for graph capture (a host-to-device copy of pageable memory).
+    Host {
+        /// Expert ids `[T, k]`.
+        topk_ids: &'a [i32],
+        /// Routing weights `[T, k]`.
+        topk_weights: &'a [f32],
+    },
+    /// The caller's `topk_ids [T, k]` (int32) and `topk_weights [T, k]` (fp32) on the
+    /// device. They cannot be checked before the launch without a host synchronisation:
+    /// the permutation skips out-of-range ids and flags them, and
+    /// [`MoeLayer::take_routing_errors`] reports them.
     External {
         /// Expert ids.
         topk_ids: &'a CudaSlice<i32>,
@@ -334,6 +346,23 @@ impl MoeLayer {
         (&self.saved.ids, &self.saved.weights)
     }
 
+    /// Reports (and clears) what the permutation flagged in device-side routing since the
+    /// last call: ids outside `0..E` (those slots were dropped) or a token naming one
+    /// expert twice. Synchronises the stream.
+    pub fn take_routing_errors(&mut self) -> Result<(), MoeError> {
+        let flags = self.stream.clone_dtoh(&self.saved.perm.flags)?;
+        self.stream
+            .memcpy_htod(&[0u32], &mut self.saved.perm.flags)?;
+        let bits = flags.first().copied().unwrap_or(0);
+        if bits != 0 {
+            return Err(MoeError::InvalidDeviceRouting {
+                out_of_range: bits & 1 != 0,
+                duplicate: bits & 2 != 0,
+            });
+        }
+        Ok(())
+    }
+
     /// Per-expert prefix-sum offsets of the last forward.
     pub fn offsets(&self) -> &CudaSlice<i32> {
         &self.saved.perm.offsets
@@ -396,6 +425,22 @@ impl MoeLayer {
                     &mut sv.weights,
                 )?;
                 sv.routed = true;
+            }
+            Routing::Host {
+                topk_ids,
+                topk_weights,
+            } => {
+                buf("topk_ids [T, k]", tokens * k, topk_ids.len())?;
+                buf("topk_weights [T, k]", tokens * k, topk_weights.len())?;
+                crate::reference::router::check_routing(&topk_ids[..tokens * k], k, e)?;
+                s.memcpy_htod(&topk_ids[..tokens * k], &mut sv.ids.slice_mut(..tokens * k))
+                    .map_err(drv)?;
+                s.memcpy_htod(
+                    &topk_weights[..tokens * k],
+                    &mut sv.weights.slice_mut(..tokens * k),
+                )
+                .map_err(drv)?;
+                sv.routed = false;
             }
             Routing::External {
                 topk_ids,
