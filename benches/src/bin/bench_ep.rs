@@ -158,7 +158,7 @@ fn bench_model(
     }
     let got = to_f32(&stream.clone_dtoh(&out)?);
     let err = rel_err(&got, &to_f32(&xs[0]));
-    if !(err < 1e-2) {
+    if !moefuse_testkit::within(err, 1e-2) {
         return Err(format!("{model}: combine(dispatch(x)) differs from x: rel err {err}").into());
     }
     if ep.take_flags()? != Default::default() {

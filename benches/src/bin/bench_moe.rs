@@ -241,7 +241,7 @@ fn bench_case(
         .collect();
     let want = host_check(&cfg, gate_up_h, down_h, &x0, &ids, &ws, n);
     let err = rel_err(&got, &want);
-    if !(err < 2e-2) {
+    if !moefuse_testkit::within(err, 2e-2) {
         return Err(
             format!("{model} t{t}: output differs from the host check: rel err {err}").into(),
         );

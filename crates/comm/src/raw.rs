@@ -176,6 +176,7 @@ pub(crate) const CMP_GE: i32 = 5;
 /// `dst` (symmetric) and `src` (device memory) hold `bytes`; `sig` is null or a symmetric
 /// u64; `pe` is a valid PE; `stream` is a live stream of NVSHMEM's context; all stay valid
 /// until the stream passes this operation.
+#[allow(clippy::too_many_arguments)] // the NVSHMEM call's own arguments
 pub(crate) unsafe fn put_signal_on_stream(
     lib: &NvshmemHost,
     dst: *mut c_void,

@@ -139,7 +139,7 @@ impl Runtime {
             ctx,
             None,
             "nvshmemx_hostlib_init_attr (NVSHMEM_BOOTSTRAP)",
-            |host| raw::init_with_default_bootstrap(host),
+            raw::init_with_default_bootstrap,
         )
     }
 

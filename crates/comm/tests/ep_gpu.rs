@@ -585,7 +585,7 @@ fn misuse_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
         Err(other) => return Err(format!("65 tokens: expected Capacity, got {other}")),
         Ok(_) => return Err("65 tokens accepted by a 64-token exchange".into()),
     }
-    let short = upload(stream, &vec![0i32; 10])?;
+    let short = upload(stream, &[0i32; 10])?;
     match ep.dispatch(&x, &short, &ws, 64) {
         Err(CommError::BufferTooSmall {
             what: "topk_ids", ..

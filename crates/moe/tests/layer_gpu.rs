@@ -238,7 +238,7 @@ fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), St
         let zero = want_dl.iter().all(|v| v.abs() < 1e-6);
         if zero {
             let worst = dl[..t * ex].iter().fold(0f32, |m, v| m.max(v.abs()));
-            if !(worst < 1e-5) {
+            if !moefuse_testkit::within(f64::from(worst), 1e-5) {
                 return Err(what(&format!(
                     "d_logits must be ~0, max |d_logits| = {worst}"
                 )));
