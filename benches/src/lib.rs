@@ -39,6 +39,28 @@ pub struct Record {
     pub commit: String,
 }
 
+impl Record {
+    /// One console line: case, median [IQR], rate, error.
+    ///
+    /// ```
+    /// let r = moefuse_benches::Record { suite: "s".into(), case: "c".into(), backend: "moefuse".into(),
+    ///     gpu: "g".into(), median_us: 10.0, iqr_us: 1.0, tflops: Some(5.0), gbps: None,
+    ///     rel_err: 1e-3, date: "d".into(), commit: "x".into() };
+    /// assert!(r.line().contains("5.0 TFLOP/s"));
+    /// ```
+    pub fn line(&self) -> String {
+        let rate = match (self.tflops, self.gbps) {
+            (Some(t), _) => format!("{t:>7.1} TFLOP/s"),
+            (None, Some(g)) => format!("{g:>7.1} GB/s"),
+            _ => "-".into(),
+        };
+        format!(
+            "{:<40} {:>10.1} us [IQR {:>7.1}] {rate}  rel_err {:.1e}",
+            self.case, self.median_us, self.iqr_us, self.rel_err
+        )
+    }
+}
+
 /// Appends records to `<dir>/<suite>.jsonl`.
 pub fn append(dir: &Path, suite: &str, records: &[Record]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;

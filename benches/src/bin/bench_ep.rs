@@ -91,14 +91,7 @@ fn main() -> Result<(), Error> {
         let recs = bench_model(&ctx, &rt, &stream, &args, cfg, model, &gpu)?;
         if rank == 0 {
             for r in &recs {
-                println!(
-                    "{:<40} {:>9.1} us [IQR {:>6.1}]  {:>7.1} GB/s  rel_err {:.1e}",
-                    r.case,
-                    r.median_us,
-                    r.iqr_us,
-                    r.gbps.unwrap_or(0.0),
-                    r.rel_err
-                );
+                println!("{}", r.line());
             }
             append(&args.out, "dispatch_combine", &recs)?;
         }

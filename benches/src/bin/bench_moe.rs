@@ -105,14 +105,7 @@ fn main() -> Result<(), Error> {
                 &ctx, &stream, &mut layer, &gate_up_h, &down_h, model, t, &args, &gpu, &mut rng,
             )?;
             for r in &recs {
-                println!(
-                    "{:<32} {:>10.1} us [IQR {:>7.1}] {:>7.1} TFLOP/s  rel_err {:.1e}",
-                    r.case,
-                    r.median_us,
-                    r.iqr_us,
-                    r.tflops.unwrap_or(0.0),
-                    r.rel_err
-                );
+                println!("{}", r.line());
             }
             append(&args.out, "moe", &recs)?;
         }
