@@ -2,14 +2,16 @@
 //! one job on this host, agreeing on an NVSHMEM unique id through a rendezvous this task
 //! serves on 127.0.0.1 (no MPI, no shared filesystem).
 //!
-//! The work is `moefuse_comm::launch` (`crates/comm/src/bootstrap.rs`, whose docs list the
-//! variables each rank gets and the protocol). This file compiles it by path instead of
+//! The work is `moefuse_comm::launch` (`crates/comm/src/launcher.rs`; bootstrap.rs's docs
+//! list the variables each rank gets and the protocol). This file compiles it by path instead of
 //! depending on moefuse-comm, whose build script needs the toolchain `cargo xtask setup`
 //! installs.
 
 #[allow(dead_code)] // the rank side (LaunchEnv, the client) is for the children
 #[path = "../../crates/comm/src/bootstrap.rs"]
 mod bootstrap;
+#[path = "../../crates/comm/src/launcher.rs"]
+mod launcher;
 
 use std::ffi::OsString;
 use std::fmt;
@@ -74,24 +76,24 @@ pub struct LaunchArgs {
 /// Runs the job; fails naming the first rank that failed, or the timeout.
 pub fn run(args: LaunchArgs) -> crate::Result<()> {
     let (program, rest) = args.command.split_first().expect("clap requires a program");
-    let mut spec = bootstrap::LaunchSpec::new(args.nprocs, program, rest);
+    let mut spec = launcher::LaunchSpec::new(args.nprocs, program, rest);
     spec.gpus = args.gpus;
     spec.timeout = args.timeout.map(Duration::from_secs);
     spec.grace = Duration::from_secs(args.grace);
     let n = args.nprocs;
-    bootstrap::launch(&spec, |event| match event {
-        bootstrap::LaunchEvent::Started { rendezvous, job_id } => eprintln!(
+    launcher::launch(&spec, |event| match event {
+        launcher::LaunchEvent::Started { rendezvous, job_id } => eprintln!(
             "launch: {n} ranks of {}, rendezvous {rendezvous}, job {job_id}",
             program.to_string_lossy()
         ),
-        bootstrap::LaunchEvent::Output { rank, stream, line } => match stream {
-            bootstrap::OutputStream::Stdout => println!("[rank {rank}] {line}"),
-            bootstrap::OutputStream::Stderr => eprintln!("[rank {rank}] {line}"),
+        launcher::LaunchEvent::Output { rank, stream, line } => match stream {
+            launcher::OutputStream::Stdout => println!("[rank {rank}] {line}"),
+            launcher::OutputStream::Stderr => eprintln!("[rank {rank}] {line}"),
         },
-        bootstrap::LaunchEvent::Exited { rank, status } if !status.success() => {
+        launcher::LaunchEvent::Exited { rank, status } if !status.success() => {
             eprintln!("launch: rank {rank} exited: {status}")
         }
-        bootstrap::LaunchEvent::Exited { .. } => {}
+        launcher::LaunchEvent::Exited { .. } => {}
     })
     .map_err(|e| e.to_string())?;
     eprintln!("launch: all {n} ranks exited 0");

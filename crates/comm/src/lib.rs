@@ -29,6 +29,7 @@
 mod bootstrap;
 mod device_module;
 mod ep;
+mod launcher;
 mod modules;
 mod plan;
 mod raw;
@@ -38,10 +39,10 @@ mod stream_ops;
 mod team;
 
 pub use bootstrap::{
-    broadcast_from_rank0, exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec,
-    OutputStream, Rendezvous, RendezvousServer,
+    broadcast_from_rank0, exchange_unique_id, LaunchEnv, Rendezvous, RendezvousServer,
 };
 pub use ep::{Dispatch, EpConfig, ExpertParallel, RoutingFlags, MAX_EXPERTS, MAX_RANKS};
+pub use launcher::{launch, LaunchEvent, LaunchSpec, OutputStream};
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
 pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
