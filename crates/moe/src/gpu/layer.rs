@@ -24,7 +24,7 @@
 //! caller: the layer takes logits and returns `d_logits`.
 
 use super::{
-    activation_backward, activation_forward, combine, combine_backward, permute, route,
+    activation_backward, activation_forward, check_len, combine, combine_backward, permute, route,
     route_backward, ActivationDesc, PermuteBuffers, Rows,
 };
 use crate::{reference::MoeWeights, MoeConfig, MoeError, RouterKind};
@@ -68,14 +68,6 @@ pub struct Gradients {
     pub d_topk_weights: CudaSlice<f32>,
     /// `[T_max, E]` fp32 when the layer routed (first `T·E` valid).
     pub d_logits: CudaSlice<f32>,
-}
-
-fn gemm_err(e: moefuse_grouped_gemm::GemmError) -> MoeError {
-    MoeError::from(e)
-}
-
-fn drv(e: cudarc::driver::DriverError) -> MoeError {
-    MoeError::Driver(e)
 }
 
 struct Plans {
@@ -159,10 +151,10 @@ impl MoeLayer {
         cfg.check_tokens(max_tokens)?;
         weights.validate(&cfg)?;
         let bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
-        let gate_up = stream.clone_htod(&bf(&weights.gate_up)).map_err(drv)?;
-        let down = stream.clone_htod(&bf(&weights.down)).map_err(drv)?;
+        let gate_up = stream.clone_htod(&bf(&weights.gate_up))?;
+        let down = stream.clone_htod(&bf(&weights.down))?;
         let bias = match &weights.router_bias {
-            Some(b) => Some(stream.clone_htod(b).map_err(drv)?),
+            Some(b) => Some(stream.clone_htod(b)?),
             None => None,
         };
         Self::with_device_weights(stream, cfg, max_tokens, gate_up, down, bias)
@@ -205,12 +197,12 @@ impl MoeLayer {
         }
         let rows = max_tokens * k;
         let ctx: Arc<CudaContext> = stream.context().clone();
-        let gemm = GroupedGemm::new(&ctx).map_err(gemm_err)?;
+        let gemm = GroupedGemm::new(&ctx)?;
         let hint = |mut desc: GroupedDesc| {
             desc.rows_per_group_hint = Some(rows.div_ceil(e));
             desc
         };
-        let plan = |desc: GroupedDesc| gemm.plan(&hint(desc)).map_err(gemm_err);
+        let plan = |desc: GroupedDesc| gemm.plan(&hint(desc));
         let wgrad = |n: usize, kk: usize| -> Result<[GroupedPlan; 2], MoeError> {
             let (desc, swap) = GroupedDesc::wgrad_for(e, rows, n, kk, BLayout::Nk);
             debug_assert!(swap);
@@ -246,13 +238,13 @@ impl MoeLayer {
         .map(|p| p.workspace_bytes())
         .max()
         .unwrap_or(0);
-        let z16 = |n: usize| stream.alloc_zeros::<bf16>(n.max(1)).map_err(drv);
+        let z16 = |n: usize| stream.alloc_zeros::<bf16>(n.max(1));
         let saved = Saved {
             tokens: 0,
             routed: false,
-            ids: stream.alloc_zeros::<i32>(rows).map_err(drv)?,
-            weights: stream.alloc_zeros::<f32>(rows).map_err(drv)?,
-            logits: stream.alloc_zeros::<f32>(max_tokens * e).map_err(drv)?,
+            ids: stream.alloc_zeros::<i32>(rows)?,
+            weights: stream.alloc_zeros::<f32>(rows)?,
+            logits: stream.alloc_zeros::<f32>(max_tokens * e)?,
             perm: PermuteBuffers::new(stream, max_tokens, e, k)?,
             x_perm: z16(rows * d)?,
             h_pre: z16(rows * w)?,
@@ -264,7 +256,7 @@ impl MoeLayer {
             dh: z16(rows * i)?,
             d_h_pre: z16(rows * w)?,
             dx_perm: z16(rows * d)?,
-            workspace: stream.alloc_zeros::<u8>(ws.max(256)).map_err(drv)?,
+            workspace: stream.alloc_zeros::<u8>(ws.max(256))?,
         };
         Ok(MoeLayer {
             act: ActivationDesc::from_config(&cfg),
@@ -334,10 +326,10 @@ impl MoeLayer {
         );
         let s = &self.stream;
         Ok(Gradients {
-            d_gate_up: s.alloc_zeros::<bf16>(e * w * d).map_err(drv)?,
-            d_down: s.alloc_zeros::<bf16>(e * d * i).map_err(drv)?,
-            d_topk_weights: s.alloc_zeros::<f32>(self.max_tokens * k).map_err(drv)?,
-            d_logits: s.alloc_zeros::<f32>(self.max_tokens * e).map_err(drv)?,
+            d_gate_up: s.alloc_zeros::<bf16>(e * w * d)?,
+            d_down: s.alloc_zeros::<bf16>(e * d * i)?,
+            d_topk_weights: s.alloc_zeros::<f32>(self.max_tokens * k)?,
+            d_logits: s.alloc_zeros::<f32>(self.max_tokens * e)?,
         })
     }
 
@@ -388,15 +380,8 @@ impl MoeLayer {
                 max: self.max_tokens,
             });
         }
-        let buf = |what, needed: usize, got: usize| {
-            if got < needed {
-                Err(MoeError::BufferTooSmall { what, needed, got })
-            } else {
-                Ok(())
-            }
-        };
-        buf("x [T, D]", tokens * d, x.len())?;
-        buf("y [T, D]", tokens * d, y.len())?;
+        check_len("x [T, D]", x.len(), tokens * d)?;
+        check_len("y [T, D]", y.len(), tokens * d)?;
         let s = self.stream.clone();
         if let Some(ev) = self.profile.as_mut() {
             ev.clear();
@@ -408,12 +393,11 @@ impl MoeLayer {
                 if matches!(self.cfg.router, RouterKind::External) {
                     return Err(MoeError::ExternalRouter);
                 }
-                buf("logits [T, E]", tokens * e, logits.len())?;
+                check_len("logits [T, E]", logits.len(), tokens * e)?;
                 s.memcpy_dtod(
                     &logits.slice(..tokens * e),
                     &mut sv.logits.slice_mut(..tokens * e),
-                )
-                .map_err(drv)?;
+                )?;
                 let bias = self.bias.as_ref().map(|b| b as &dyn DevicePtr<f32>);
                 route(
                     &self.cfg,
@@ -430,34 +414,30 @@ impl MoeLayer {
                 topk_ids,
                 topk_weights,
             } => {
-                buf("topk_ids [T, k]", tokens * k, topk_ids.len())?;
-                buf("topk_weights [T, k]", tokens * k, topk_weights.len())?;
+                check_len("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
+                check_len("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
                 crate::reference::router::check_routing(&topk_ids[..tokens * k], k, e)?;
-                s.memcpy_htod(&topk_ids[..tokens * k], &mut sv.ids.slice_mut(..tokens * k))
-                    .map_err(drv)?;
+                s.memcpy_htod(&topk_ids[..tokens * k], &mut sv.ids.slice_mut(..tokens * k))?;
                 s.memcpy_htod(
                     &topk_weights[..tokens * k],
                     &mut sv.weights.slice_mut(..tokens * k),
-                )
-                .map_err(drv)?;
+                )?;
                 sv.routed = false;
             }
             Routing::External {
                 topk_ids,
                 topk_weights,
             } => {
-                buf("topk_ids [T, k]", tokens * k, topk_ids.len())?;
-                buf("topk_weights [T, k]", tokens * k, topk_weights.len())?;
+                check_len("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
+                check_len("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
                 s.memcpy_dtod(
                     &topk_ids.slice(..tokens * k),
                     &mut sv.ids.slice_mut(..tokens * k),
-                )
-                .map_err(drv)?;
+                )?;
                 s.memcpy_dtod(
                     &topk_weights.slice(..tokens * k),
                     &mut sv.weights.slice_mut(..tokens * k),
-                )
-                .map_err(drv)?;
+                )?;
                 sv.routed = false;
             }
         }
@@ -476,7 +456,6 @@ impl MoeLayer {
         )?;
         Self::mark(&mut self.profile, &s, "permute+gather")?;
         let ws = &mut self.scratch.workspace;
-        let g = |e: moefuse_grouped_gemm::GemmError| gemm_err(e);
         let gemm = &self.gemm;
         gemm.run(
             &self.plans.gate_up,
@@ -486,8 +465,7 @@ impl MoeLayer {
             &self.gate_up,
             &mut sv.h_pre,
             ws,
-        )
-        .map_err(g)?;
+        )?;
         Self::mark(&mut self.profile, &s, "gate_up gemm")?;
         let rows_cap = self.max_tokens * k;
         let last = sv.perm.offsets.slice(e - 1..);
@@ -507,8 +485,7 @@ impl MoeLayer {
             &self.down,
             &mut sv.y_e,
             ws,
-        )
-        .map_err(g)?;
+        )?;
         Self::mark(&mut self.profile, &s, "down gemm")?;
         combine(
             &s,
@@ -546,15 +523,8 @@ impl MoeLayer {
         let (d, e, k) = (self.cfg.hidden, self.cfg.experts, self.cfg.top_k);
         let sv = &self.saved;
         let t = sv.tokens;
-        let buf = |what, needed: usize, got: usize| {
-            if got < needed {
-                Err(MoeError::BufferTooSmall { what, needed, got })
-            } else {
-                Ok(())
-            }
-        };
-        buf("dy [T, D]", t * d, dy.len())?;
-        buf("dx [T, D]", t * d, dx.len())?;
+        check_len("dy [T, D]", dy.len(), t * d)?;
+        check_len("dx [T, D]", dx.len(), t * d)?;
         let s = self.stream.clone();
         if let Some(ev) = self.profile.as_mut() {
             ev.clear();
@@ -574,7 +544,6 @@ impl MoeLayer {
             &mut grads.d_topk_weights,
         )?;
         Self::mark(&mut self.profile, &s, "combine bwd")?;
-        let g = |e: moefuse_grouped_gemm::GemmError| gemm_err(e);
         let gemm = &self.gemm;
         let off = &sv.perm.offsets;
         let ws = &mut sc.workspace;
@@ -587,8 +556,7 @@ impl MoeLayer {
             &self.down,
             &mut sc.dh,
             ws,
-        )
-        .map_err(g)?;
+        )?;
         Self::mark(&mut self.profile, &s, "down dgrad")?;
         gemm.run(
             &self.plans.down_wgrad[acc],
@@ -598,8 +566,7 @@ impl MoeLayer {
             &sv.h,
             &mut grads.d_down,
             ws,
-        )
-        .map_err(g)?;
+        )?;
         Self::mark(&mut self.profile, &s, "down wgrad")?;
         let rows_cap = self.max_tokens * k;
         let last = off.slice(e - 1..);
@@ -620,8 +587,7 @@ impl MoeLayer {
             &self.gate_up,
             &mut sc.dx_perm,
             ws,
-        )
-        .map_err(g)?;
+        )?;
         Self::mark(&mut self.profile, &s, "gate_up dgrad")?;
         gemm.run(
             &self.plans.gate_up_wgrad[acc],
@@ -631,8 +597,7 @@ impl MoeLayer {
             &sv.x_perm,
             &mut grads.d_gate_up,
             ws,
-        )
-        .map_err(g)?;
+        )?;
         Self::mark(&mut self.profile, &s, "gate_up wgrad")?;
         combine(&s, t, k, d, &sv.perm.row_of, None, &sc.dx_perm, dx)?;
         Self::mark(&mut self.profile, &s, "dx combine")?;

@@ -73,6 +73,15 @@ pub(crate) fn check_buffer<T>(
     Ok(())
 }
 
+/// A buffer known only by its length (a generic `DevicePtr`) holds `needed` elements, else
+/// [`MoeError::BufferTooSmall`].
+pub(crate) fn check_len(what: &'static str, got: usize, needed: usize) -> Result<(), MoeError> {
+    if got < needed {
+        return Err(MoeError::BufferTooSmall { what, needed, got });
+    }
+    Ok(())
+}
+
 /// `value <= max`, else [`MoeError::TooLarge`].
 pub(crate) fn check_max(what: &'static str, value: usize, max: usize) -> Result<(), MoeError> {
     if value > max {

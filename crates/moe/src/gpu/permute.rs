@@ -3,7 +3,7 @@
 //! [`reference::permutation`](crate::reference::permutation) and the reference layer define
 //! them: rows grouped by expert ascending, stable in token order within an expert.
 
-use super::{check_buffer, prepare_device};
+use super::{check_buffer, check_len, check_max, prepare_device};
 use crate::MoeError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -61,13 +61,6 @@ impl PermuteBuffers {
     }
 }
 
-fn too_large(what: &'static str, value: usize, max: usize) -> Result<(), MoeError> {
-    if value > max {
-        return Err(MoeError::TooLarge { what, value, max });
-    }
-    Ok(())
-}
-
 /// Permutes `tokens` routed tokens (`topk_ids [T, k]`) into `bufs` on `stream`, and when
 /// `x_perm` is given gathers `x [T, D]` into it (`[T·k, D]` bf16, row `row_of[t, j]` =
 /// `x[t]`). No host synchronisation.
@@ -97,9 +90,9 @@ pub fn permute<X>(
 where
     X: DevicePtr<bf16>,
 {
-    too_large("experts", experts, 512)?;
-    too_large("top_k", top_k, 16)?;
-    too_large("tokens", tokens, bufs.max_tokens)?;
+    check_max("experts", experts, 512)?;
+    check_max("top_k", top_k, 16)?;
+    check_max("tokens", tokens, bufs.max_tokens)?;
     if (experts, top_k) != (bufs.experts, bufs.top_k) || experts == 0 || top_k == 0 {
         return Err(MoeError::ShapeMismatch {
             what: "permute buffers (experts x top_k)",
@@ -308,20 +301,13 @@ where
 }
 
 fn check_rows(top_k: usize, hidden: usize) -> Result<(), MoeError> {
-    too_large("top_k", top_k, 16)?;
+    check_max("top_k", top_k, 16)?;
     if top_k == 0 || hidden == 0 || hidden % 8 != 0 {
         return Err(MoeError::NotAMultiple {
             what: "hidden (and top_k >= 1)",
             len: hidden,
             multiple: 8,
         });
-    }
-    Ok(())
-}
-
-fn check_len(what: &'static str, got: usize, needed: usize) -> Result<(), MoeError> {
-    if got < needed {
-        return Err(MoeError::BufferTooSmall { what, needed, got });
     }
     Ok(())
 }
