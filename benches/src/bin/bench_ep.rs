@@ -118,13 +118,7 @@ fn bench_model(
     let mut ws = Vec::with_capacity(t * k);
     let mut sent_rows = 0usize;
     for _ in 0..t {
-        let mut chosen: Vec<i32> = Vec::with_capacity(k);
-        while chosen.len() < k {
-            let x = rng.below(e) as i32;
-            if !chosen.contains(&x) {
-                chosen.push(x);
-            }
-        }
+        let chosen = rng.distinct(e, k);
         let mut dests: Vec<usize> = chosen.iter().map(|&x| x as usize / (e / ranks)).collect();
         dests.sort_unstable();
         dests.dedup();

@@ -117,13 +117,7 @@ fn main() -> Result<(), Error> {
 fn routing(rng: &mut Rng, t: usize, e: usize, k: usize) -> (Vec<i32>, Vec<f32>) {
     let (mut ids, mut ws) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
     for _ in 0..t {
-        let mut chosen: Vec<i32> = Vec::with_capacity(k);
-        while chosen.len() < k {
-            let x = rng.below(e) as i32;
-            if !chosen.contains(&x) {
-                chosen.push(x);
-            }
-        }
+        let chosen = rng.distinct(e, k);
         let l: Vec<f32> = (0..k).map(|_| rng.uniform().exp()).collect();
         let s: f32 = l.iter().sum();
         ids.extend(chosen);

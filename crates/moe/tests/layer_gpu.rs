@@ -147,13 +147,7 @@ fn inputs(case: &Case, seed: u64) -> Result<Inputs, String> {
     let (mut ids, mut weights) = (Vec::new(), Vec::new());
     if matches!(case.route, Route::ExternalLowerHalf) {
         for _ in 0..t {
-            let mut chosen: Vec<i32> = Vec::new();
-            while chosen.len() < k {
-                let c = rng.below(ex / 2) as i32;
-                if !chosen.contains(&c) {
-                    chosen.push(c);
-                }
-            }
+            let chosen = rng.distinct(ex / 2, k);
             let raw: Vec<f32> = (0..k).map(|_| 0.1 + (rng.uniform() + 1.0) / 2.0).collect();
             let s: f32 = raw.iter().sum();
             ids.extend(chosen);

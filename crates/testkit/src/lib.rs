@@ -70,6 +70,25 @@ impl Rng {
         (self.next_u64() % n.max(1) as u64) as usize
     }
 
+    /// `k` distinct integers uniform in `0..n`, in draw order (a token's experts, `k <= n`).
+    ///
+    /// ```
+    /// let ids = moefuse_testkit::Rng::new(7).distinct(8, 3);
+    /// assert_eq!(ids.len(), 3);
+    /// assert!(ids.iter().all(|&e| (0..8).contains(&e)) && ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2]);
+    /// ```
+    pub fn distinct(&mut self, n: usize, k: usize) -> Vec<i32> {
+        assert!(k <= n, "distinct: {k} values out of {n}");
+        let mut chosen = Vec::with_capacity(k);
+        while chosen.len() < k {
+            let x = self.below(n) as i32;
+            if !chosen.contains(&x) {
+                chosen.push(x);
+            }
+        }
+        chosen
+    }
+
     /// `len` bf16 values uniform in [-1, 1), drawn in parallel chunks (each chunk from
     /// its own generator seeded by this one, so the result depends only on the seed).
     pub fn bf16_vec(&mut self, len: usize) -> Vec<bf16> {
