@@ -222,7 +222,13 @@ fn sweep(
     let mut out = Vec::new();
     for name in &names {
         for (raster, rname) in [(Raster::AlongM, "M"), (Raster::AlongN, "N")] {
-            for swizzle in [1u8, 2, 4] {
+            // The contiguous kernel reads the swizzle field as its band height in m-blocks.
+            let swizzles: &[u8] = if name.ends_with("_contig") {
+                &[4, 8, 16, 32]
+            } else {
+                &[1, 2, 4]
+            };
+            for &swizzle in swizzles {
                 let desc = GroupedDesc {
                     tile_order: TileOrder { raster, swizzle },
                     ..p.desc

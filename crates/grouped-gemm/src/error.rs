@@ -99,10 +99,13 @@ pub enum GemmError {
         what: String,
     },
     /// A tile order the kernels do not implement.
-    #[error("tile order swizzle {swizzle}: must be 1, 2, 4 or 8")]
+    #[error("tile order swizzle {swizzle}: must be 0 or a power of two up to {max} for the chosen variant")]
     InvalidTileOrder {
         /// The requested swizzle.
         swizzle: u8,
+        /// The largest the variant takes (8 for CUTLASS's schedulers, 128 as the contiguous
+        /// kernel's band height).
+        max: u8,
     },
     /// The plan belongs to another device or layout than the call.
     #[error("plan mismatch: {0}")]

@@ -58,7 +58,9 @@ pub struct GroupedDesc {
 pub struct TileOrder {
     /// Walk direction.
     pub raster: Raster,
-    /// Max swizzle width: 1 (none), 2, 4 or 8.
+    /// CUTLASS's schedulers: max swizzle width 1 (none), 2, 4 or 8. The contiguous kernel
+    /// (`..._contig` variants): band height in m-blocks, 0 (its default, 16) or a power of
+    /// two up to 128; `AlongN` walks a band's n-blocks first, else its m-blocks.
     pub swizzle: u8,
 }
 
@@ -81,9 +83,10 @@ impl TileOrder {
             Raster::AlongM => 1,
             Raster::AlongN => 2,
         };
-        if !matches!(self.swizzle, 0 | 1 | 2 | 4 | 8) {
+        if !self.swizzle.is_power_of_two() && self.swizzle != 0 {
             return Err(GemmError::InvalidTileOrder {
                 swizzle: self.swizzle,
+                max: 128,
             });
         }
         Ok(raster | (i32::from(self.swizzle) << 8))
@@ -326,6 +329,13 @@ impl GroupedGemm {
         desc.validate()?;
         let variant =
             heuristics::choose(self.spec.as_ref(), &desc.problem(), self.device, variant)?;
+        let contiguous = variant.spec.schedule == moefuse_kernels::Schedule::Contiguous;
+        if !contiguous && desc.tile_order.swizzle > 8 {
+            return Err(GemmError::InvalidTileOrder {
+                swizzle: desc.tile_order.swizzle,
+                max: 8,
+            });
+        }
         self.ctx.bind_to_thread()?;
         let workspace_bytes =
             moefuse_kernels::grouped_workspace_bytes(variant, &raw_args(desc, 0, [0; 3]))?;
@@ -553,8 +563,9 @@ mod tests {
         assert_eq!(o(Raster::AlongN, 4).unwrap(), 2 | (4 << 8));
         assert!(matches!(
             o(Raster::AlongM, 3),
-            Err(GemmError::InvalidTileOrder { swizzle: 3 })
+            Err(GemmError::InvalidTileOrder { swizzle: 3, .. })
         ));
+        assert_eq!(o(Raster::AlongM, 32).unwrap(), 1 | (32 << 8));
     }
 
     #[test]

@@ -374,6 +374,10 @@ mod tests {
         for v in VARIANTS {
             let ok = match v.schedule {
                 Schedule::Cooperative | Schedule::Pingpong => v.arch == VariantArch::Sm90a,
+                Schedule::Contiguous => {
+                    v.arch == VariantArch::Sm90a
+                        && matches!(v.op, Op::GroupedFwdBnk | Op::GroupedFwdBkn)
+                }
                 Schedule::OneSm | Schedule::TwoSm => v.arch == VariantArch::Sm100a,
             };
             assert!(ok, "{} pairs a schedule with the wrong arch", v.name());

@@ -7,6 +7,10 @@ use moefuse_kernels::{CompiledVariant, Schedule, VariantArch};
 
 pub(crate) struct Sm90;
 
+/// Groups the contiguous kernel's shared-memory table holds (`kMaxGroups` in
+/// `kernels/include/moefuse/sm90/contiguous_grouped_gemm.cuh`).
+pub(crate) const CONTIGUOUS_MAX_GROUPS: usize = 1024;
+
 impl ArchSpec for Sm90 {
     fn arch(&self) -> VariantArch {
         VariantArch::Sm90a
@@ -22,8 +26,16 @@ impl ArchSpec for Sm90 {
         // faster even on balanced groups (Qwen3 gate_up 607 vs 624 us, down 350 vs 358:
         // grouped_gemm_sweep), and on routed (ragged) groups it does not round each group's
         // M-tiles up to whole clusters (the MoE layer's gate_up 763 -> 699 us).
+        // The contiguous kernel (moefuse's own, M-grouped only) keeps its group table in
+        // shared memory: at most CONTIGUOUS_MAX_GROUPS groups. Its efficiency is a
+        // prediction from the dense kernel on the same FLOPs (1.10x the ptr-array kernel on
+        // the Qwen3 shapes), to be replaced by its measurement.
+        if v.spec.schedule == Schedule::Contiguous && p.groups > CONTIGUOUS_MAX_GROUPS {
+            return None;
+        }
         let cluster_m = v.spec.cluster[0] as usize;
         let efficiency = match (v.spec.schedule, tm, tn, cluster_m) {
+            (Schedule::Contiguous, 128, 256, _) => 1.12,
             (Schedule::Cooperative, 128, 256, 1) => 1.02,
             (Schedule::Cooperative, 128, 256, _) => 1.0,
             (Schedule::Cooperative, 128, 128, _) => 0.9,
@@ -59,8 +71,18 @@ mod tests {
         let v = choose(&Sm90, &qwen, device, None).unwrap();
         assert_eq!(
             (v.spec.tile, v.spec.cluster, v.spec.schedule),
+            ([128, 256, 64], [1, 1], Schedule::Contiguous),
+            "routed groups: the contiguous kernel"
+        );
+        let many = Problem {
+            groups: CONTIGUOUS_MAX_GROUPS + 1,
+            ..qwen
+        };
+        let v = choose(&Sm90, &many, device, None).unwrap();
+        assert_eq!(
+            (v.spec.tile, v.spec.cluster, v.spec.schedule),
             ([128, 256, 64], [1, 1], Schedule::Cooperative),
-            "routed groups: the 1x1 cluster wastes no M-tiles"
+            "more groups than the contiguous kernel's table: the 1x1 ptr-array twin"
         );
         let dense = Problem {
             op: Op::GemmBnk,

@@ -1,0 +1,117 @@
+// Tile order for M-grouped GEMMs over the contiguous grouped layout (shared by every arch):
+// group e owns rows [start_e, end_e) of A and D and the weights W_e; its tiles are
+// (m-block, n-block) pairs over those rows. Tiles are numbered group by group, so
+// consecutive tile numbers share a group, and within a group in bands of `band` m-blocks
+// (all n-blocks of a band before the next band), so the tiles running at once touch a
+// bounded set of A rows and W_e columns. CTA c of a persistent grid of G takes tiles
+// c, c + G, c + 2G, ... Empty groups own no tiles.
+//
+// The per-group table (row ranges, prefix sums of m-blocks) is built once per CTA in
+// shared memory from the device offsets by one warp, so the walk needs no global loads
+// and no host synchronisation.
+#pragma once
+
+#include <cstdint>
+
+#include "moefuse/common/group_layout.cuh"
+
+namespace moefuse::sched {
+
+// Shared-memory table of at most kMaxGroups groups.
+template <int kMaxGroups>
+struct ContiguousGroupTable {
+  int32_t row_start[kMaxGroups];
+  int32_t row_end[kMaxGroups];
+  int32_t m_blocks_end[kMaxGroups];  // inclusive prefix sum of ceil(rows_e / TileM)
+  int32_t total_m_blocks;
+};
+
+// One output tile: rows [row0, row0 + rows) of group `group` (rows <= TileM; the A
+// rows past them belong to the next group or lie past the end and are loaded but never
+// stored), columns [n_block * TileN, ...).
+struct GroupTile {
+  int group;
+  int row0;
+  int rows;
+  int n_block;
+};
+
+template <int TileM, int kMaxGroups>
+struct ContiguousGroupScheduler {
+  using Table = ContiguousGroupTable<kMaxGroups>;
+
+  // Fills `table` from the prefix-sum offsets. Called by all 32 lanes of one warp; the
+  // caller synchronises the block before any thread walks the table.
+  CUTE_DEVICE static void build(Table& table, const int32_t* offsets, int groups, int total_rows) {
+    const int lane = threadIdx.x % 32;
+    const int per_lane = (groups + 31) / 32;
+    const int begin = min(lane * per_lane, groups);
+    const int end = min(begin + per_lane, groups);
+    int sum = 0;
+    for (int e = begin; e < end; ++e) {
+      GroupRows r = group_rows(offsets, e, total_rows);
+      table.row_start[e] = r.start;
+      table.row_end[e] = r.end;
+      sum += (r.rows() + TileM - 1) / TileM;
+      table.m_blocks_end[e] = sum;
+    }
+    int inclusive = sum;
+    for (int d = 1; d < 32; d <<= 1) {
+      int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += v;
+    }
+    const int before = inclusive - sum;
+    for (int e = begin; e < end; ++e) table.m_blocks_end[e] += before;
+    if (lane == 31) table.total_m_blocks = inclusive;
+  }
+
+  // A walker over this CTA's tiles. `band` m-blocks per band (>= 1); `n_fast` walks a
+  // band's n-blocks first (rows of A reused), else its m-blocks first (W_e columns reused).
+  CUTE_DEVICE ContiguousGroupScheduler(const Table& table, int n_blocks, int band, bool n_fast, int first, int stride)
+      : table_(table),
+        n_blocks_(n_blocks),
+        band_(band),
+        n_fast_(n_fast),
+        tile_(first),
+        stride_(stride),
+        total_(table.total_m_blocks * n_blocks) {}
+
+  // The next tile of this CTA, or false when it has none left.
+  CUTE_DEVICE bool next(GroupTile& out) {
+    if (tile_ >= total_) return false;
+    while (tile_ >= table_.m_blocks_end[group_] * n_blocks_) ++group_;
+    const int first_block = group_ == 0 ? 0 : table_.m_blocks_end[group_ - 1];
+    const int m_blocks = table_.m_blocks_end[group_] - first_block;
+    const int local = tile_ - first_block * n_blocks_;
+    const int band_tiles = band_ * n_blocks_;
+    const int b = local / band_tiles;
+    const int r = local - b * band_tiles;
+    const int len = min(band_, m_blocks - b * band_);
+    int m_block, n_block;
+    if (n_fast_) {
+      n_block = r % n_blocks_;
+      m_block = b * band_ + r / n_blocks_;
+    } else {
+      m_block = b * band_ + r % len;
+      n_block = r / len;
+    }
+    out.group = group_;
+    out.row0 = table_.row_start[group_] + m_block * TileM;
+    out.rows = min(TileM, table_.row_end[group_] - out.row0);
+    out.n_block = n_block;
+    tile_ += stride_;
+    return true;
+  }
+
+ private:
+  const Table& table_;
+  int n_blocks_;
+  int band_;
+  bool n_fast_;
+  int tile_;
+  int stride_;
+  int total_;
+  int group_ = 0;
+};
+
+}  // namespace moefuse::sched
