@@ -219,6 +219,13 @@ pub const VARIANTS: &[VariantSpec] = &[
         cluster: [1, 1],
         schedule: Schedule::Contiguous,
     },
+    VariantSpec {
+        arch: VariantArch::Sm90a,
+        op: Op::GroupedFwdBnk,
+        tile: [128, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Contiguous,
+    },
 ];
 
 impl VariantArch {

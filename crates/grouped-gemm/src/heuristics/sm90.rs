@@ -35,7 +35,8 @@ impl ArchSpec for Sm90 {
         }
         let cluster_m = v.spec.cluster[0] as usize;
         let efficiency = match (v.spec.schedule, tm, tn, cluster_m) {
-            (Schedule::Contiguous, 128, 256, _) => 1.12,
+            (Schedule::Contiguous, 128, 256, 1) => 1.12,
+            (Schedule::Contiguous, 128, 256, _) => 1.10,
             (Schedule::Cooperative, 128, 256, 1) => 1.02,
             (Schedule::Cooperative, 128, 256, _) => 1.0,
             (Schedule::Cooperative, 128, 128, _) => 0.9,

@@ -6,6 +6,7 @@
 //
 //   warp            role                                     registers
 //   0               producer: TMA loads of A rows and W_e    40
+//                   (W_e multicast to the cluster's 2 CTAs)
 //   1-3             idle (their registers go to the MMA)     40
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64xN each) + store  232
 //
@@ -30,11 +31,15 @@ struct Sm90ContiguousGrouped {
   using TiledMma = typename Mainloop::TiledMma;
   using MainloopPipeline = typename Mainloop::MainloopPipeline;
   using PipelineState = typename Mainloop::PipelineState;
+  using ClusterShape = typename Mainloop::DispatchPolicy::ClusterShape;
+  static constexpr int kClusterM = cute::size<0>(ClusterShape{});
   static constexpr int kMaxGroups = kMaxGroups_;
   static constexpr int kTileM = cute::size<0>(TileShape{});
   static constexpr int kTileN = cute::size<1>(TileShape{});
   static constexpr int kTileK = cute::size<2>(TileShape{});
-  using Scheduler = sched::ContiguousGroupScheduler<kTileM, kMaxGroups>;
+  using Scheduler = sched::ContiguousGroupScheduler<kTileM, kClusterM, kMaxGroups>;
+  static_assert(cute::size<1>(ClusterShape{}) == 1 && kClusterM <= 2,
+                "sm90 contiguous grouped GEMM: clusters of 1 or 2 CTAs along M (sharing W_e tiles)");
 
   static constexpr int kThreads = 384;
   static constexpr int kMmaThreads = 256;
@@ -67,6 +72,16 @@ struct Sm90ContiguousGrouped {
 
   enum class Role { Producer, Idle, Consumer };
 
+  // Consumer perspective: waits for each of `k_tiles` stages to fill and releases it
+  // unread (a warp group with no rows in the tile).
+  CUTE_DEVICE static void drain(MainloopPipeline& pipeline, PipelineState read, int k_tiles) {
+    for (; k_tiles > 0; --k_tiles) {
+      pipeline.consumer_wait(read);
+      pipeline.consumer_release(read);
+      ++read;
+    }
+  }
+
   CUTE_DEVICE void operator()(Params const& p, char* smem) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace cute;
@@ -90,12 +105,18 @@ struct Sm90ContiguousGrouped {
     pipe_params.transaction_bytes = p.mainloop.tma_transaction_bytes;
     // NOTES: the constructor initialises the barriers from warp 0; the block barrier below
     // makes them (and the group table) visible before any role touches them.
-    MainloopPipeline pipeline(shared.pipeline, pipe_params, Shape<_1, _1, _1>{});
-    __syncthreads();
+    MainloopPipeline pipeline(shared.pipeline, pipe_params, ClusterShape{});
+    if constexpr (kClusterM > 1) {
+      cute::cluster_sync();  // the peer's barriers must be initialised before any multicast
+    } else {
+      __syncthreads();
+    }
+    const uint32_t rank = cute::block_rank_in_cluster();
 
     const int n_blocks = (p.n + kTileN - 1) / kTileN;
     const int k_tiles = (p.k + kTileK - 1) / kTileK;
-    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, int(blockIdx.x), int(gridDim.x));
+    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, int(blockIdx.x) / kClusterM,
+                        int(gridDim.x) / kClusterM, int(rank));
     Mainloop mainloop;
     sched::GroupTile tile;
 
@@ -112,7 +133,7 @@ struct Sm90ContiguousGrouped {
                                Step<X, _1, _1>{});  // (BLK_N,BLK_K,n,k,l)
         auto k_iter = make_coord_iterator(shape<3>(gA));
         mainloop.load(p.mainloop, pipeline, write, make_tuple(gA, gB), make_coord(0, tile.n_block, _, 0), k_iter,
-                      k_tiles, lane_idx, 0u, shared.tensors);
+                      k_tiles, lane_idx, rank, shared.tensors);
         write.advance(k_tiles);
       }
       mainloop.load_tail(pipeline, write);
@@ -120,11 +141,25 @@ struct Sm90ContiguousGrouped {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
       const int mma_thread_idx = thread_idx % kMmaThreads;
       TiledMma tiled_mma;
+      // First tile row this warp group computes (0 or 64).
+      const int wg_row0 = get<0>(tiled_mma.get_thread_slice(mma_thread_idx)
+                                     .partition_C(make_identity_tensor(take<0, 2>(TileShape{})))(0)) /
+                          64 * 64;
       PipelineState read;
       while (scheduler.next(tile)) {
         auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
-        mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
-        mainloop.mma_tail(pipeline, read, k_tiles);
+        if (tile.rows > wg_row0) {
+          mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
+          mainloop.mma_tail(pipeline, read, k_tiles);
+        } else {
+          // NOTES: a group's last tile with <= 64 rows: the warp group of rows 64-127 has
+          // nothing to store, so it skips its WGMMAs and the other one runs at the full
+          // tensor-core rate (ping-pong's observation), halving a small tile's time. It
+          // still waits and releases every stage, in step, so the barrier phases stay exact.
+          drain(pipeline, read, k_tiles);
+          read.advance(k_tiles);
+          continue;
+        }
         read.advance(k_tiles);
         const int col0 = tile.n_block * kTileN;
         epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, p.d, int64_t(p.n), tile.row0,

@@ -6,6 +6,12 @@
 // bounded set of A rows and W_e columns. CTA c of a persistent grid of G takes tiles
 // c, c + G, c + 2G, ... Empty groups own no tiles.
 //
+// With a cluster of C CTAs along M (which share each W_e tile through TMA multicast) the
+// walk is over cluster tiles: a group's m-blocks are counted in units of C, and CTA rank r
+// of the cluster takes m-block unit * C + r. When a group's m-block count is not a
+// multiple of C, the last unit's extra CTAs get a tile with no rows: they still load (their
+// part of the multicast) but store nothing.
+//
 // The per-group table (row ranges, prefix sums of m-blocks) is built once per CTA in
 // shared memory from the device offsets by one warp, so the walk needs no global loads
 // and no host synchronisation.
@@ -22,11 +28,11 @@ template <int kMaxGroups>
 struct ContiguousGroupTable {
   int32_t row_start[kMaxGroups];
   int32_t row_end[kMaxGroups];
-  int32_t m_blocks_end[kMaxGroups];  // inclusive prefix sum of ceil(rows_e / TileM)
-  int32_t total_m_blocks;
+  int32_t m_units_end[kMaxGroups];  // inclusive prefix sum of ceil(ceil(rows_e / TileM) / ClusterM)
+  int32_t total_m_units;
 };
 
-// One output tile: rows [row0, row0 + rows) of group `group` (rows <= TileM; the A
+// One output tile: rows [row0, row0 + rows) of group `group` (0 <= rows <= TileM; the A
 // rows past them belong to the next group or lie past the end and are loaded but never
 // stored), columns [n_block * TileN, ...).
 struct GroupTile {
@@ -36,8 +42,9 @@ struct GroupTile {
   int n_block;
 };
 
-template <int TileM, int kMaxGroups>
+template <int TileM, int ClusterM, int kMaxGroups>
 struct ContiguousGroupScheduler {
+  static constexpr int kUnitRows = TileM * ClusterM;
   using Table = ContiguousGroupTable<kMaxGroups>;
 
   // Fills `table` from the prefix-sum offsets. Called by all 32 lanes of one warp; the
@@ -52,8 +59,8 @@ struct ContiguousGroupScheduler {
       GroupRows r = group_rows(offsets, e, total_rows);
       table.row_start[e] = r.start;
       table.row_end[e] = r.end;
-      sum += (r.rows() + TileM - 1) / TileM;
-      table.m_blocks_end[e] = sum;
+      sum += (r.rows() + kUnitRows - 1) / kUnitRows;
+      table.m_units_end[e] = sum;
     }
     int inclusive = sum;
     for (int d = 1; d < 32; d <<= 1) {
@@ -61,43 +68,47 @@ struct ContiguousGroupScheduler {
       if (lane >= d) inclusive += v;
     }
     const int before = inclusive - sum;
-    for (int e = begin; e < end; ++e) table.m_blocks_end[e] += before;
-    if (lane == 31) table.total_m_blocks = inclusive;
+    for (int e = begin; e < end; ++e) table.m_units_end[e] += before;
+    if (lane == 31) table.total_m_units = inclusive;
   }
 
-  // A walker over this CTA's tiles. `band` m-blocks per band (>= 1); `n_fast` walks a
-  // band's n-blocks first (rows of A reused), else its m-blocks first (W_e columns reused).
-  CUTE_DEVICE ContiguousGroupScheduler(const Table& table, int n_blocks, int band, bool n_fast, int first, int stride)
+  // A walker over this CTA's tiles. `band` m-block units per band (>= 1); `n_fast` walks a
+  // band's n-blocks first (rows of A reused), else its units first (W_e columns reused).
+  // `first`/`stride`: this cluster's index and the number of clusters; `rank`: this CTA's
+  // rank along M in its cluster.
+  CUTE_DEVICE ContiguousGroupScheduler(const Table& table, int n_blocks, int band, bool n_fast, int first, int stride,
+                                       int rank)
       : table_(table),
         n_blocks_(n_blocks),
         band_(band),
         n_fast_(n_fast),
         tile_(first),
         stride_(stride),
-        total_(table.total_m_blocks * n_blocks) {}
+        rank_(rank),
+        total_(table.total_m_units * n_blocks) {}
 
   // The next tile of this CTA, or false when it has none left.
   CUTE_DEVICE bool next(GroupTile& out) {
     if (tile_ >= total_) return false;
-    while (tile_ >= table_.m_blocks_end[group_] * n_blocks_) ++group_;
-    const int first_block = group_ == 0 ? 0 : table_.m_blocks_end[group_ - 1];
-    const int m_blocks = table_.m_blocks_end[group_] - first_block;
-    const int local = tile_ - first_block * n_blocks_;
+    while (tile_ >= table_.m_units_end[group_] * n_blocks_) ++group_;
+    const int first_unit = group_ == 0 ? 0 : table_.m_units_end[group_ - 1];
+    const int m_units = table_.m_units_end[group_] - first_unit;
+    const int local = tile_ - first_unit * n_blocks_;
     const int band_tiles = band_ * n_blocks_;
     const int b = local / band_tiles;
     const int r = local - b * band_tiles;
-    const int len = min(band_, m_blocks - b * band_);
-    int m_block, n_block;
+    const int len = min(band_, m_units - b * band_);
+    int m_unit, n_block;
     if (n_fast_) {
       n_block = r % n_blocks_;
-      m_block = b * band_ + r / n_blocks_;
+      m_unit = b * band_ + r / n_blocks_;
     } else {
-      m_block = b * band_ + r % len;
+      m_unit = b * band_ + r % len;
       n_block = r / len;
     }
     out.group = group_;
-    out.row0 = table_.row_start[group_] + m_block * TileM;
-    out.rows = min(TileM, table_.row_end[group_] - out.row0);
+    out.row0 = table_.row_start[group_] + (m_unit * ClusterM + rank_) * TileM;
+    out.rows = max(0, min(TileM, table_.row_end[group_] - out.row0));
     out.n_block = n_block;
     tile_ += stride_;
     return true;
@@ -110,6 +121,7 @@ struct ContiguousGroupScheduler {
   bool n_fast_;
   int tile_;
   int stride_;
+  int rank_;
   int total_;
   int group_ = 0;
 };

@@ -18,7 +18,8 @@ struct Contiguous {};
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, class Schedule, moefuse_b_layout BL>
 struct ContiguousGroupedBf16 {
-  static_assert(ClusterM == 1 && ClusterN == 1, "sm90 contiguous grouped GEMM: clusters are not implemented (1x1)");
+  static_assert(ClusterN == 1 && (ClusterM == 1 || ClusterM == 2),
+                "sm90 contiguous grouped GEMM: clusters 1x1 or 2x1 (W_e tiles multicast along M)");
   static_assert(TileN % 16 == 0 && TileN <= 256, "sm90 contiguous grouped GEMM: WGMMA N must be a multiple of 16, <= 256");
   static_assert(TileK * 2 % 128 == 0, "sm90 contiguous grouped GEMM: tile K must span whole 128-byte swizzle rows");
 
@@ -30,7 +31,7 @@ struct ContiguousGroupedBf16 {
 
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   static constexpr int kAlign = 16 / sizeof(Element);
   using TableBytes = cute::Int<int(sizeof(sched::ContiguousGroupTable<kMaxGroups>)) + 64>;
 
@@ -128,14 +129,38 @@ struct ContiguousGroupedLauncher {
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;
     const Params prm = params(*p);
+    constexpr int kCluster = Kernel::kClusterM;
     const int64_t n_blocks = (p->n + Kernel::kTileN - 1) / Kernel::kTileN;
-    const int64_t max_tiles = (int64_t(p->total_rows) / Kernel::kTileM + p->num_groups) * n_blocks;
-    const int grid = int(max_tiles < sms ? max_tiles : sms);
+    const int64_t unit_rows = int64_t(Kernel::kTileM) * kCluster;
+    const int64_t max_units = (int64_t(p->total_rows) / unit_rows + p->num_groups) * n_blocks;
     auto* fn = &kernel::sm90_contiguous_grouped_kernel<Kernel>;
     st = from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedBytes),
                    "cudaFuncSetAttribute(smem)");
     if (st != MOEFUSE_STATUS_OK) return st;
-    fn<<<grid, Kernel::kThreads, Kernel::kSharedBytes, stream>>>(prm);
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.blockDim = dim3(Kernel::kThreads, 1, 1);
+    config.dynamicSmemBytes = Kernel::kSharedBytes;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    // Persistent grid: as many clusters as can be resident at once (pairs need two free
+    // SMs of one GPC), never more than there are cluster tiles.
+    int clusters = sms / kCluster;
+    if (kCluster > 1) {
+      config.gridDim = dim3(sms / kCluster * kCluster, 1, 1);
+      st = from_cuda(cudaOccupancyMaxActiveClusters(&clusters, fn, &config), "cudaOccupancyMaxActiveClusters");
+      if (st != MOEFUSE_STATUS_OK) return st;
+      if (clusters < 1) return fail(MOEFUSE_STATUS_INTERNAL, "%s: no cluster of %d CTAs fits", name, kCluster);
+    }
+    if (max_units < clusters) clusters = int(max_units);
+    config.gridDim = dim3(clusters * kCluster, 1, 1);
+    st = from_cuda(cudaLaunchKernelEx(&config, fn, prm), name);
+    if (st != MOEFUSE_STATUS_OK) return st;
     return from_cuda(cudaGetLastError(), name);
   }
 
