@@ -9,7 +9,7 @@ pub(crate) struct Sm90;
 
 /// Groups the contiguous kernel's shared-memory table holds (`kMaxGroups` in
 /// `kernels/include/moefuse/sm90/contiguous_grouped_gemm.cuh`).
-pub(crate) const CONTIGUOUS_MAX_GROUPS: usize = 1024;
+pub(crate) const CONTIGUOUS_MAX_GROUPS: usize = 512;
 
 impl ArchSpec for Sm90 {
     fn arch(&self) -> VariantArch {

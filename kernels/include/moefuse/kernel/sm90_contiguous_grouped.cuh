@@ -45,6 +45,8 @@ struct Sm90ContiguousGrouped {
   static constexpr int kMmaThreads = 256;
   static constexpr uint32_t kLoadRegisters = 40;
   static constexpr uint32_t kMmaRegisters = 232;
+  // Named barriers of the two consumer warp groups' epilogues (ids above CUTLASS's reserved ones).
+  static constexpr uint32_t kEpilogueBarrier = 1;
   static_assert(cute::size(TiledMma{}) == kMmaThreads,
                 "sm90 contiguous grouped GEMM: the TiledMma must span two warp groups (cooperative builder)");
   static_assert(kTileM == 128, "sm90 contiguous grouped GEMM: two consumer warp groups of 64 rows make TileM 128");
@@ -53,6 +55,7 @@ struct Sm90ContiguousGrouped {
     typename Mainloop::TensorStorage tensors;
     alignas(16) typename Mainloop::PipelineStorage pipeline;
     alignas(16) typename Scheduler::Table groups;
+    epilogue::MaskedRowsStorage epilogue;
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
 
@@ -162,7 +165,8 @@ struct Sm90ContiguousGrouped {
         }
         read.advance(k_tiles);
         const int col0 = tile.n_block * kTileN;
-        epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, p.d, int64_t(p.n), tile.row0,
+        epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue,
+                                               kEpilogueBarrier + wg_row0 / 64, p.d, int64_t(p.n), tile.row0,
                                                tile.rows, col0, min(kTileN, p.n - col0), p.alpha, p.beta);
       }
     }

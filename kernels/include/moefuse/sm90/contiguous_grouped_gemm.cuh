@@ -27,13 +27,14 @@ struct ContiguousGroupedBf16 {
   static constexpr int kMinor = 0;
   static constexpr moefuse_b_layout kBLayout = BL;
   // Groups the shared-memory tile table holds; larger problems take the ptr-array variants.
-  static constexpr int kMaxGroups = 1024;
+  static constexpr int kMaxGroups = 512;
 
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   static constexpr int kAlign = 16 / sizeof(Element);
-  using TableBytes = cute::Int<int(sizeof(sched::ContiguousGroupTable<kMaxGroups>)) + 64>;
+  using TableBytes = cute::Int<int(sizeof(sched::ContiguousGroupTable<kMaxGroups>) +
+                                     sizeof(epilogue::MaskedRowsStorage)) + 64>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
