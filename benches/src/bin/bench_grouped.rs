@@ -221,16 +221,29 @@ fn sweep(
     let sets = a.len();
     let mut out = Vec::new();
     for name in &names {
-        for (raster, rname) in [(Raster::AlongM, "M"), (Raster::AlongN, "N")] {
-            // The contiguous kernel reads the swizzle field as its band height in m-blocks.
-            let swizzles: &[u8] = if name.ends_with("_contig") {
-                &[4, 8, 16, 32]
-            } else {
-                &[1, 2, 4]
-            };
-            for &swizzle in swizzles {
+        // The contiguous kernel reads the swizzle field as its band height in m-block units
+        // and has an L2 prefetch depth (255: off); CUTLASS's take swizzle 1/2/4.
+        let orders: Vec<(Raster, &str, u8, u8)> = if name.ends_with("_contig") {
+            let mut o: Vec<_> = [255u8, 4, 8, 16, 64]
+                .iter()
+                .map(|&pf| (Raster::AlongN, "N", 4u8, pf))
+                .collect();
+            o.extend([(Raster::AlongM, "M", 4, 0), (Raster::AlongN, "N", 16, 0)]);
+            o
+        } else {
+            [(Raster::AlongM, "M"), (Raster::AlongN, "N")]
+                .iter()
+                .flat_map(|&(r, n)| [1u8, 2, 4].map(|s| (r, n, s, 0u8)))
+                .collect()
+        };
+        for &(raster, rname, swizzle, prefetch) in &orders {
+            {
                 let desc = GroupedDesc {
-                    tile_order: TileOrder { raster, swizzle },
+                    tile_order: TileOrder {
+                        raster,
+                        swizzle,
+                        prefetch,
+                    },
                     ..p.desc
                 };
                 let plan = gemm.plan_with(&desc, Some(name))?;
@@ -252,7 +265,11 @@ fn sweep(
                 })];
                 let s = time_interleaved(stream, &mut one, 2, samples)?[0];
                 let tflops = case.flops() / s.median_us / 1e6;
-                let label = format!("{}/{name}/r{rname}s{swizzle}", case.name);
+                let label = if prefetch == 0 {
+                    format!("{}/{name}/r{rname}s{swizzle}", case.name)
+                } else {
+                    format!("{}/{name}/r{rname}s{swizzle}p{prefetch}", case.name)
+                };
                 println!(
                     "{label:<100} {:9.1} us {tflops:6.1} TFLOP/s  diff {diff:.1e}",
                     s.median_us

@@ -60,8 +60,11 @@ pub struct TileOrder {
     pub raster: Raster,
     /// CUTLASS's schedulers: max swizzle width 1 (none), 2, 4 or 8. The contiguous kernel
     /// (`..._contig` variants): band height in m-blocks, 0 (its default, 16) or a power of
-    /// two up to 128; `AlongN` walks a band's n-blocks first, else its m-blocks.
+    /// two up to 128; `AlongM` walks a band's m-blocks first, else its n-blocks.
     pub swizzle: u8,
+    /// The contiguous kernel only: k-blocks of each CTA's next tile prefetched into L2 while
+    /// it works on the current one; 0 is the kernel's default (8), 255 turns it off.
+    pub prefetch: u8,
 }
 
 /// Walk direction of the tile scheduler.
@@ -89,7 +92,7 @@ impl TileOrder {
                 max: 128,
             });
         }
-        Ok(raster | (i32::from(self.swizzle) << 8))
+        Ok(raster | (i32::from(self.swizzle) << 8) | (i32::from(self.prefetch) << 16))
     }
 }
 
@@ -330,7 +333,7 @@ impl GroupedGemm {
         let variant =
             heuristics::choose(self.spec.as_ref(), &desc.problem(), self.device, variant)?;
         let contiguous = variant.spec.schedule == moefuse_kernels::Schedule::Contiguous;
-        if !contiguous && desc.tile_order.swizzle > 8 {
+        if !contiguous && (desc.tile_order.swizzle > 8 || desc.tile_order.prefetch != 0) {
             return Err(GemmError::InvalidTileOrder {
                 swizzle: desc.tile_order.swizzle,
                 max: 8,
@@ -558,7 +561,14 @@ mod tests {
 
     #[test]
     fn tile_order_encodes_as_abi_h_says() {
-        let o = |raster, swizzle| TileOrder { raster, swizzle }.encode();
+        let o = |raster, swizzle| {
+            TileOrder {
+                raster,
+                swizzle,
+                prefetch: 0,
+            }
+            .encode()
+        };
         assert_eq!(o(Raster::Default, 0).unwrap(), 0);
         assert_eq!(o(Raster::AlongN, 4).unwrap(), 2 | (4 << 8));
         assert!(matches!(
@@ -566,6 +576,11 @@ mod tests {
             Err(GemmError::InvalidTileOrder { swizzle: 3, .. })
         ));
         assert_eq!(o(Raster::AlongM, 32).unwrap(), 1 | (32 << 8));
+        let pf = TileOrder {
+            prefetch: 255,
+            ..TileOrder::default()
+        };
+        assert_eq!(pf.encode().unwrap(), 255 << 16);
     }
 
     #[test]

@@ -238,7 +238,21 @@ fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), St
                 )));
             }
         } else {
-            check_close(&dl[..t * ex], want_dl, REL, &what("d_logits"))?;
+            // The router backward itself, on the GPU's own d_topk_weights (checked above):
+            // d_logits = p (g - <p, g>) cancels when g is nearly constant across a token's
+            // experts, so against the reference's d_logits the bf16 error of g is amplified
+            // (7.7e-2 on one token, seed 1796288097000233052). Many tokens average that out.
+            let own = reference::route_backward(&cfg, &inp.logits, &fwd.routing, &dtw[..t * k])
+                .map_err(e)?;
+            check_close(
+                &dl[..t * ex],
+                &own,
+                REL,
+                &what("d_logits (router backward)"),
+            )?;
+            if t >= 32 {
+                check_close(&dl[..t * ex], want_dl, REL, &what("d_logits"))?;
+            }
         }
         // The router matrix's share of dx is the caller's: add it before comparing.
         for tok in 0..t {

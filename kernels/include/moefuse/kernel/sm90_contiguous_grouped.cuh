@@ -69,8 +69,9 @@ struct Sm90ContiguousGrouped {
     int k;
     float alpha;
     float beta;
-    int band;    // m-blocks per band of the tile order
-    int n_fast;  // 1: a band's n-blocks first
+    int band;      // m-blocks per band of the tile order
+    int n_fast;    // 1: a band's n-blocks first
+    int prefetch;  // k-blocks of the next tile's A and W_e tiles prefetched into L2
   };
 
   enum class Role { Producer, Idle, Consumer };
@@ -128,12 +129,34 @@ struct Sm90ContiguousGrouped {
       if (role != Role::Producer) return;
       Tensor mA = p.mainloop.tma_load_a.get_tma_tensor(make_shape(p.total_rows, p.k, 1));  // (ROWS,K,1)
       Tensor mB = p.mainloop.tma_load_b.get_tma_tensor(make_shape(p.n, p.k, p.groups));    // (N,K,E)
+      auto tiles_of = [&](sched::GroupTile const& t) {
+        Tensor gA = local_tile(domain_offset(make_coord(t.row0, 0, 0), mA), TileShape{}, make_coord(_, _, _),
+                               Step<_1, X, _1>{});  // (BLK_M,BLK_K,m,k,l)
+        Tensor gB = local_tile(domain_offset(make_coord(0, 0, t.group), mB), TileShape{}, make_coord(_, _, _),
+                               Step<X, _1, _1>{});  // (BLK_N,BLK_K,n,k,l)
+        return make_tuple(gA, gB);
+      };
       PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
       while (scheduler.next(tile)) {
-        Tensor gA = local_tile(domain_offset(make_coord(tile.row0, 0, 0), mA), TileShape{}, make_coord(_, _, _),
-                               Step<_1, X, _1>{});  // (BLK_M,BLK_K,m,k,l)
-        Tensor gB = local_tile(domain_offset(make_coord(0, 0, tile.group), mB), TileShape{}, make_coord(_, _, _),
-                               Step<X, _1, _1>{});  // (BLK_N,BLK_K,n,k,l)
+        auto [gA, gB] = tiles_of(tile);
+        // NOTES: a tile's first k-blocks wait on HBM when its group's weights were never
+        // touched (with 128 groups, most tiles start a group); the next tile's first
+        // k-blocks are asked into L2 now, a whole tile ahead of their loads. Each CTA
+        // prefetches exactly the TMA boxes it will load (its half of a multicast W_e tile).
+        sched::GroupTile next_tile;
+        Scheduler ahead = scheduler;
+        if (p.prefetch > 0 && ahead.next(next_tile) && cute::elect_one_sync()) {
+          auto [gA_next, gB_next] = tiles_of(next_tile);
+          Tensor tAgA = p.mainloop.tma_load_a.get_slice(0).partition_S(gA_next(_, _, 0, _, 0));  // (TMA,TMA_M,TMA_K,k)
+          Tensor tBgB = p.mainloop.tma_load_b.get_slice(rank % kClusterM)
+                            .partition_S(gB_next(_, _, next_tile.n_block, _, 0));  // (TMA,TMA_N,TMA_K,k)
+          const int blocks = min(p.prefetch, k_tiles);
+          for (int kb = 0; kb < blocks; ++kb) {
+            cute::prefetch(p.mainloop.tma_load_a, tAgA(_, _, _, kb));
+            cute::prefetch(p.mainloop.tma_load_b, tBgB(_, _, _, kb));
+          }
+        }
+        __syncwarp();
         auto k_iter = make_coord_iterator(shape<3>(gA));
         mainloop.load(p.mainloop, pipeline, write, make_tuple(gA, gB), make_coord(0, tile.n_block, _, 0), k_iter,
                       k_tiles, lane_idx, rank, shared.tensors);

@@ -50,7 +50,8 @@ struct ContiguousGroupedLauncher {
   using Kernel = typename Config::Kernel;
   using Mainloop = typename Kernel::Mainloop;
   using Params = typename Kernel::Params;
-  static constexpr int kDefaultBand = 16;
+  static constexpr int kDefaultBand = 4;
+  static constexpr int kDefaultPrefetch = 8;
 
   static moefuse_status check(const moefuse_grouped_gemm_args* p, const char* name) {
     if (p == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
@@ -62,10 +63,11 @@ struct ContiguousGroupedLauncher {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: groups=%d (at most %d) rows=%d n=%d k=%d", name,
                   p->num_groups, Config::kMaxGroups, p->total_rows, p->n, p->k);
     }
-    // tile_order: bits 0-1 raster (0/1: a band's m-blocks first, 2: its n-blocks first),
-    // bits 8-15 band height in m-blocks (0: default; else a power of two up to 128).
+    // tile_order: bits 0-1 raster (0/2: a band's n-blocks first, 1: its m-blocks first),
+    // bits 8-15 band height in m-block units (0: default; else a power of two up to 128),
+    // bits 16-23 k-blocks of the next tile prefetched into L2 (0: default, 255: none).
     const int band = (p->tile_order >> 8) & 0xff;
-    if ((p->tile_order & 3) == 3 || (p->tile_order & ~0xff03) != 0 || (band & (band - 1)) != 0) {
+    if ((p->tile_order & 3) == 3 || (p->tile_order & ~0xffff03) != 0 || (band & (band - 1)) != 0) {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: raster 0-2, band 0 or a power of two", name,
                   p->tile_order);
     }
@@ -102,6 +104,7 @@ struct ContiguousGroupedLauncher {
     auto pb = Mainloop::to_underlying_arguments(make_shape(p.total_rows, p.n, p.k, p.num_groups), args, nullptr);
     pa.tma_load_b = pb.tma_load_b;
     const int band = (p.tile_order >> 8) & 0xff;
+    const int prefetch = (p.tile_order >> 16) & 0xff;
     Params out{pa,
                p.offsets,
                static_cast<cutlass::bfloat16_t*>(p.d),
@@ -112,7 +115,8 @@ struct ContiguousGroupedLauncher {
                p.alpha,
                p.beta,
                band > 0 ? band : kDefaultBand,
-               (p.tile_order & 3) == 2 ? 1 : 0};
+               (p.tile_order & 3) == 1 ? 0 : 1,
+               prefetch == 0 ? kDefaultPrefetch : (prefetch == 255 ? 0 : prefetch)};
     return out;
   }
 
