@@ -222,9 +222,9 @@ fn sweep(
     let mut out = Vec::new();
     for name in &names {
         // The contiguous kernel reads the swizzle field as its band height in m-block units
-        // and has an L2 prefetch depth (255: off); CUTLASS's take swizzle 1/2/4.
+        // and has an L2 prefetch depth (0: off); CUTLASS's take swizzle 1/2/4.
         let orders: Vec<(Raster, &str, u8, u8)> = if name.ends_with("_contig") {
-            let mut o: Vec<_> = [255u8, 4, 8, 16, 64]
+            let mut o: Vec<_> = [0u8, 4, 8]
                 .iter()
                 .map(|&pf| (Raster::AlongN, "N", 4u8, pf))
                 .collect();

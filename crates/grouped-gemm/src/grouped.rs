@@ -63,7 +63,8 @@ pub struct TileOrder {
     /// two up to 128; `AlongM` walks a band's m-blocks first, else its n-blocks.
     pub swizzle: u8,
     /// The contiguous kernel only: k-blocks of each CTA's next tile prefetched into L2 while
-    /// it works on the current one; 0 is the kernel's default (8), 255 turns it off.
+    /// it works on the current one (0, the default: none; a tuning knob that measured no
+    /// gain on the H200, docs/perf-notes.md).
     pub prefetch: u8,
 }
 

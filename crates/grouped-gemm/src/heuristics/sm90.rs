@@ -32,6 +32,9 @@ impl ArchSpec for Sm90 {
         // CUTLASS 1x1 twin on gate_up (605 vs 601 us) and 4-8% faster on down (337 vs
         // 351-367); its 2x1 twin (W_e tiles multicast) 3% faster again on gate_up (583) and
         // 1% on down, but a group's M-tiles then count in pairs: it wins on large groups.
+        // Second sweep (same day): 2x1 contig 584 / 327 us on Qwen3 (CUTLASS 1x1: 606 / 352),
+        // GPT-OSS down 754 (CUTLASS 773-785), Mixtral down 2460-2540 and DeepSeek-V3 down
+        // 2580-2680 against CUTLASS's best 2425 and 2524: within those shapes' ~3% noise.
         if v.spec.schedule == Schedule::Contiguous && p.groups > CONTIGUOUS_MAX_GROUPS {
             return None;
         }

@@ -139,10 +139,10 @@ struct Sm90ContiguousGrouped {
       PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
       while (scheduler.next(tile)) {
         auto [gA, gB] = tiles_of(tile);
-        // NOTES: a tile's first k-blocks wait on HBM when its group's weights were never
-        // touched (with 128 groups, most tiles start a group); the next tile's first
-        // k-blocks are asked into L2 now, a whole tile ahead of their loads. Each CTA
-        // prefetches exactly the TMA boxes it will load (its half of a multicast W_e tile).
+        // Optional (tuning): the next tile's first k-blocks asked into L2 a whole tile ahead
+        // of their loads, exactly the TMA boxes this CTA will load (its half of a multicast
+        // W_e tile). NOTES: off by default: on the H200 it slowed the Qwen3 shapes (8 blocks:
+        // +5%) and moved the large-K ones within their noise (grouped_gemm_sweep, p<N>).
         sched::GroupTile next_tile;
         Scheduler ahead = scheduler;
         if (p.prefetch > 0 && ahead.next(next_tile) && cute::elect_one_sync()) {
