@@ -11,8 +11,11 @@ use std::process::{Command, Stdio};
 const RUN_SH: &str = include_str!("run.sh");
 const CARRY_LIMIT: u64 = 64 << 20;
 
-/// Builds and gathers the binaries; prints the pack's size against the carry limit.
-pub fn run(sm: &str) -> Result<()> {
+/// Builds and gathers the binaries (those matching `only`, a comma list of name parts, when
+/// given) and the Python bridge library; prints the pack's size against the carry limit.
+pub fn run(sm: &str, only: &str) -> Result<()> {
+    let wanted: Vec<&str> = only.split(',').filter(|s| !s.is_empty()).collect();
+    let keep = |name: &str| wanted.is_empty() || wanted.iter().any(|w| name.contains(w));
     setup::run(false)?;
     build::build_kernels(sm, None)?;
     let pack = root().join(".device-pack");
@@ -20,6 +23,7 @@ pub fn run(sm: &str) -> Result<()> {
     fs::create_dir_all(pack.join("tests")).map_err(|e| e.to_string())?;
     fs::create_dir_all(pack.join("bin")).map_err(|e| e.to_string())?;
     fs::create_dir_all(pack.join("py")).map_err(|e| e.to_string())?;
+    fs::create_dir_all(pack.join("lib")).map_err(|e| e.to_string())?;
     for entry in fs::read_dir(root().join("benches")).map_err(|e| e.to_string())? {
         let path = entry.map_err(|e| e.to_string())?.path();
         if path.extension().is_some_and(|e| e == "py") {
@@ -33,6 +37,7 @@ pub fn run(sm: &str) -> Result<()> {
     let tests: Vec<_> = artifacts(&["test", "--workspace", "--release", "--no-run"], true, sm)?
         .into_iter()
         .filter(|(name, _)| name.ends_with("_gpu-test") || name == "version-test")
+        .filter(|(name, _)| keep(name))
         .collect();
     let bins = artifacts(
         &[
@@ -49,9 +54,21 @@ pub fn run(sm: &str) -> Result<()> {
         ],
         false,
         sm,
-    )?;
+    )?
+    .into_iter()
+    .filter(|(name, _)| keep(name))
+    .collect::<Vec<_>>();
+    // The ctypes bridge of benches/torch_grouped_mm.py (moefuse timed beside torch in one
+    // process): travels with the grouped-GEMM bench.
+    let mut libs = Vec::new();
+    if keep("bench_grouped") {
+        libs.push((
+            "libmoefuse_bench_capi.so".to_string(),
+            shared_library("moefuse-bench-capi", sm)?,
+        ));
+    }
     let mut size = 0;
-    for (dir, list) in [("tests", &tests), ("bin", &bins)] {
+    for (dir, list) in [("tests", &tests), ("bin", &bins), ("lib", &libs)] {
         for (name, exe) in list {
             let dest = pack.join(dir).join(name);
             fs::copy(exe, &dest).map_err(|e| format!("{}: {e}", exe.display()))?;
@@ -85,10 +102,49 @@ pub fn run(sm: &str) -> Result<()> {
         CARRY_LIMIT >> 20
     );
     if size > CARRY_LIMIT {
-        return Err("device-pack is over the carry limit".into());
+        return Err("device-pack is over the carry limit: pick binaries with --only".into());
+    }
+    if size > CARRY_LIMIT - (2 << 20) {
+        println!(
+            "device-pack: the carry limit also counts the working tree (~1-2 MiB): \
+             if the device tool refuses the call, pack fewer binaries with --only"
+        );
     }
     println!("run on the H200 with: device run, carry [\".device-pack\"], command \".device-pack/run.sh all\"");
     Ok(())
+}
+
+/// Builds `package`'s cdylib in release mode and returns the `.so`'s path.
+fn shared_library(package: &str, sm: &str) -> Result<PathBuf> {
+    let out = cargo()
+        .args([
+            "build",
+            "--release",
+            "-p",
+            package,
+            "--message-format=json-render-diagnostics",
+        ])
+        .env("MOEFUSE_CUDA_ARCHS", sm)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!("cargo build -p {package} failed"));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact")
+        .flat_map(|m| {
+            m["filenames"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|f| f.as_str().map(PathBuf::from))
+        })
+        .find(|f| f.extension().is_some_and(|e| e == "so"))
+        .ok_or_else(|| format!("{package}: no .so among the build's artifacts"))
 }
 
 /// Runs cargo with JSON messages and returns (name, executable) for each artifact; test

@@ -3,7 +3,8 @@
 #   run.sh test [S]    every test binary (or those whose name contains S); one line each,
 #                      then "N passed, N failed, N skipped"
 #   run.sh bench       every benchmark program, then the PyTorch baselines (JSON lines in $OUT)
-#   run.sh torch [--filter S]  only the PyTorch grouped-GEMM baseline
+#   run.sh torch [--filter S]  the PyTorch grouped-GEMM baseline (with lib/ in the pack:
+#                      moefuse and dense cuBLAS interleaved beside it, same tensors)
 #   run.sh torch_ep    only the PyTorch dispatch/combine baseline
 #   run.sh all         test, then bench
 #   run.sh NAME ARGS   one program from bin/ (e.g. gemm_demo 8192 8192 8192)
@@ -63,8 +64,13 @@ run_bench() {
 
 run_torch() {
   echo "== torch_grouped_mm"
+  # With the ctypes bridge in the pack, moefuse and dense cuBLAS are timed in the same
+  # process, interleaved with torch on the same tensors (their rows replace bench_grouped's
+  # in the report, which shows the latest row per case and backend).
+  local lib=()
+  [ -e "$here/lib/libmoefuse_bench_capi.so" ] && lib=(--moefuse-lib "$here/lib/libmoefuse_bench_capi.so")
   "$here/bin/bench_grouped" --list-cases "$@" >"$logs/cases.json" &&
-    PYTHONUNBUFFERED=1 python3 "$here/py/torch_grouped_mm.py" --cases "$logs/cases.json" --out "$out"
+    PYTHONUNBUFFERED=1 python3 "$here/py/torch_grouped_mm.py" --cases "$logs/cases.json" --out "$out" "${lib[@]}"
 }
 
 case "${1:-all}" in

@@ -301,6 +301,28 @@ impl GroupedPlan {
         self.variant.name()
     }
 
+    /// The compiled variant the plan launches (for callers that launch through
+    /// `moefuse_kernels::launch_grouped` themselves).
+    pub fn compiled_variant(&self) -> &'static CompiledVariant {
+        self.variant
+    }
+
+    /// The C ABI arguments of this plan for the given device addresses, for callers whose
+    /// buffers live outside cudarc (the Python benchmark bridge): building them is safe,
+    /// launching them (`moefuse_kernels::launch_grouped`) is `unsafe`.
+    ///
+    /// ```no_run
+    /// # use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = GroupedGemm::new(&ctx)?.plan(&GroupedDesc::forward(8, 1024, 256, 256, BLayout::Nk))?;
+    /// let args = plan.abi_args(0x1000, 0x2000, 0x3000, 0x4000);
+    /// assert_eq!(args.num_groups, 8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn abi_args(&self, offsets: u64, a: u64, b: u64, d: u64) -> ffi::MoefuseGroupedGemmArgs {
+        raw_args(&self.desc, offsets, [a, b, d])
+    }
+
     /// Device workspace `run` needs: CUTLASS's tensor-map slots plus the per-group
     /// shape, pointer and stride arrays (a few hundred bytes per group).
     pub fn workspace_bytes(&self) -> usize {
