@@ -113,7 +113,7 @@ fn every_tile_of_every_group_is_stored_exactly_once() {
             .collect();
         let total_rows = *ends.last().unwrap() + rng.below(50) as i32;
         let n_blocks = 1 + rng.below(7) as i32;
-        let cluster_m = 1 + (case % 2) as i32;
+        let cluster_m = 1 + case % 2;
         let band = 1 << rng.below(6);
         let n_fast = rng.below(2) == 1;
         let clusters = 1 + rng.below(70) as i32;
