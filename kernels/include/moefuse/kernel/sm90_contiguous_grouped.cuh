@@ -7,7 +7,8 @@
 //   warp            role                                     registers
 //   0               producer: TMA loads of A rows and W_e    40
 //                   (W_e multicast to the cluster's 2 CTAs)
-//   1-3             idle (their registers go to the MMA)     40
+//   1               builds the group table, then idle        40
+//   2-3             idle (their registers go to the MMA)     40
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64xN each) + store  232
 //
 // Composition: mainloop = CUTLASS's sm90 TMA/GMMA collective (load/load_tail,
