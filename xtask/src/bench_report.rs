@@ -57,7 +57,10 @@ pub fn run() -> Result<()> {
             println!("bench-report: no markers for suite {suite} in docs/benchmarks.md; skipped");
             continue;
         };
-        let table = render(&rows);
+        let mut table = render(&rows);
+        if suite == "grouped_gemm" {
+            table.push_str(&grouped_targets(&rows));
+        }
         doc.replace_range(a + open.len()..b, &format!("\n{table}"));
         println!("bench-report: {suite}: {} rows", rows.len());
     }
@@ -129,4 +132,125 @@ fn render(rows: &[Row]) -> String {
         let _ = writeln!(s, "\nMeasured on {gpu}, {date}, commit {commit}.");
     }
     s
+}
+
+/// The grouped-GEMM issue's targets, computed from the latest rows: on the model forward
+/// cases (names ending in `-fwd`), the geometric mean and the minimum of torch / moefuse,
+/// the minimum of dense cuBLAS / moefuse, and the skewed case against its balanced twin.
+/// A ratio whose two rows come from different runs (commit or date) is marked.
+fn grouped_targets(rows: &[Row]) -> String {
+    let mut latest: BTreeMap<(&str, &str), &Row> = BTreeMap::new();
+    for r in rows {
+        latest.insert((&r.case, &r.backend), r);
+    }
+    let fwd: Vec<&str> = {
+        let mut v: Vec<&str> = rows
+            .iter()
+            .map(|r| r.case.as_str())
+            .filter(|c| c.ends_with("-fwd"))
+            .collect();
+        v.dedup();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let ratio = |case: &str, base: &str| -> Option<(f64, bool)> {
+        let ours = latest.get(&(case, "moefuse"))?;
+        let other = latest.get(&(case, base))?;
+        let same_run = ours.commit == other.commit && ours.date == other.date;
+        Some((other.median_us / ours.median_us, same_run))
+    };
+    let mut s =
+        String::from("\nTargets (computed by `cargo xtask bench-report` from the rows above):\n");
+    for (base, what) in [
+        ("torch_grouped_mm", "torch._grouped_mm"),
+        ("cublas_dense", "dense cuBLAS"),
+    ] {
+        let got: Vec<(&str, f64, bool)> = fwd
+            .iter()
+            .filter_map(|c| ratio(c, base).map(|(r, same)| (*c, r, same)))
+            .collect();
+        if got.is_empty() {
+            continue;
+        }
+        let geo = (got.iter().map(|g| g.1.ln()).sum::<f64>() / got.len() as f64).exp();
+        let (min_case, min, _) = got
+            .iter()
+            .copied()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("not empty");
+        let mixed = got.iter().filter(|g| !g.2).count();
+        let _ = writeln!(
+            s,
+            "- {what} / moefuse on the {} model forward cases: geomean {geo:.3}×, minimum {min:.3}× ({min_case}){}",
+            got.len(),
+            if mixed > 0 {
+                format!("; {mixed} of these ratios compare rows of different runs")
+            } else {
+                String::new()
+            }
+        );
+    }
+    for case in rows
+        .iter()
+        .map(|r| r.case.as_str())
+        .filter(|c| c.ends_with("-fwd-skew"))
+    {
+        let base = case.trim_end_matches("-skew");
+        if let (Some(sk), Some(b)) = (
+            latest.get(&(case, "moefuse")),
+            latest.get(&(base, "moefuse")),
+        ) {
+            let _ = writeln!(
+                s,
+                "- skewed routing against balanced ({base}): {:+.1}%",
+                (sk.median_us / b.median_us - 1.0) * 100.0
+            );
+            break;
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(case: &str, backend: &str, us: f64, commit: &str) -> Row {
+        Row {
+            case: case.into(),
+            backend: backend.into(),
+            gpu: "H200".into(),
+            median_us: us,
+            iqr_us: 1.0,
+            tflops: None,
+            gbps: None,
+            rel_err: None,
+            date: "2026-12-03".into(),
+            commit: commit.into(),
+        }
+    }
+
+    #[test]
+    fn targets_take_the_latest_rows_and_flag_mixed_runs() {
+        let rows = vec![
+            row("a-fwd", "moefuse", 200.0, "old"),
+            row("a-fwd", "moefuse", 100.0, "new"),
+            row("a-fwd", "torch_grouped_mm", 121.0, "new"),
+            row("b-fwd", "moefuse", 100.0, "new"),
+            row("b-fwd", "torch_grouped_mm", 100.0, "old"),
+            row("a-fwd-skew", "moefuse", 110.0, "new"),
+            row("a-dgrad", "moefuse", 1.0, "new"),
+            row("a-dgrad", "torch_grouped_mm", 100.0, "new"),
+        ];
+        let t = grouped_targets(&rows);
+        assert!(t.contains("geomean 1.100×"), "{t}");
+        assert!(t.contains("minimum 1.000× (b-fwd)"), "{t}");
+        assert!(
+            t.contains("1 of these ratios compare rows of different runs"),
+            "{t}"
+        );
+        assert!(t.contains("(a-fwd): +10.0%"), "{t}");
+        assert!(!t.contains("dense cuBLAS"), "{t}");
+    }
 }
