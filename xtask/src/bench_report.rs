@@ -149,7 +149,6 @@ fn grouped_targets(rows: &[Row]) -> String {
             .map(|r| r.case.as_str())
             .filter(|c| c.ends_with("-fwd"))
             .collect();
-        v.dedup();
         v.sort_unstable();
         v.dedup();
         v

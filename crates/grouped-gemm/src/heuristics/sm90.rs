@@ -85,17 +85,17 @@ mod tests {
             ..qwen
         };
         let v = choose(&Sm90, &many, device, None).unwrap();
+        assert_eq!(
+            (v.spec.tile, v.spec.cluster, v.spec.schedule),
+            ([128, 256, 64], [1, 1], Schedule::Cooperative),
+            "more groups than the contiguous kernel's table: the 1x1 ptr-array twin"
+        );
         let large = Problem { m: 2048, ..qwen };
         let big = choose(&Sm90, &large, device, None).unwrap();
         assert_eq!(
             (big.spec.cluster, big.spec.schedule),
             ([2, 1], Schedule::Contiguous),
             "large groups: the multicast twin"
-        );
-        assert_eq!(
-            (v.spec.tile, v.spec.cluster, v.spec.schedule),
-            ([128, 256, 64], [1, 1], Schedule::Cooperative),
-            "more groups than the contiguous kernel's table: the 1x1 ptr-array twin"
         );
         let dense = Problem {
             op: Op::GemmBnk,
