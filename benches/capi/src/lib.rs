@@ -41,7 +41,22 @@ fn remember(message: String) {
     *LAST.lock().unwrap_or_else(|e| e.into_inner()) = message;
 }
 
-fn desc(pass: i32, groups: usize, rows: usize, n: usize, k: usize) -> Result<GroupedDesc, String> {
+/// The grouped problem of one benchmark pass (0 fwd, 1 dgrad, 2 wgrad) on weights
+/// `[E, N, K]`, with the rows-per-group hint of balanced routing: the one mapping both
+/// `bench_grouped` and this bridge run, so the Python timings are of the same problem.
+///
+/// ```
+/// let d = moefuse_bench_capi::grouped_desc(1, 8, 1024, 256, 512).unwrap();
+/// assert_eq!(d.rows_per_group_hint, Some(128));
+/// assert!(moefuse_bench_capi::grouped_desc(3, 8, 1024, 256, 512).is_err());
+/// ```
+pub fn grouped_desc(
+    pass: i32,
+    groups: usize,
+    rows: usize,
+    n: usize,
+    k: usize,
+) -> Result<GroupedDesc, String> {
     let d = match pass {
         0 => GroupedDesc::forward(groups, rows, n, k, BLayout::Nk),
         1 => GroupedDesc::dgrad(groups, rows, n, k, BLayout::Nk),
@@ -59,7 +74,7 @@ fn with_plan<T>(
     f: impl FnOnce(&Bridge, &GroupedPlan) -> Result<T, String>,
 ) -> Result<T, String> {
     let (pass, groups, rows, n, k) = key;
-    let problem = desc(pass, groups, rows, n, k)?; // checked before any CUDA call
+    let problem = grouped_desc(pass, groups, rows, n, k)?; // checked before any CUDA call
     let mut guard = BRIDGE.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         let ctx = CudaContext::new(0).map_err(|e| e.to_string())?;
@@ -235,7 +250,7 @@ mod tests {
 
     #[test]
     fn bad_passes_and_sizes_are_refused_with_a_message() {
-        assert!(desc(3, 1, 1, 8, 8).is_err());
+        assert!(grouped_desc(3, 1, 1, 8, 8).is_err());
         assert!(key(0, -1, 1, 8, 8).is_err());
         assert_eq!(moefuse_capi_grouped_plan(7, 1, 1, 8, 8), -1);
         let mut buf = [0u8; 64];

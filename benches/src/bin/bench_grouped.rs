@@ -310,28 +310,14 @@ fn problem(case: &Case) -> Problem {
         })
         .collect();
     let mut rng = Rng::new(Rng::fresh_seed());
-    let (desc, a_len, b_len) = match case.pass {
-        Pass::Fwd => (
-            GroupedDesc::forward(g, rows, n, k, BLayout::Nk),
-            rows * k,
-            g * n * k,
-        ),
-        Pass::Dgrad => (
-            GroupedDesc::dgrad(g, rows, n, k, BLayout::Nk),
-            rows * n,
-            g * n * k,
-        ),
-        // dW_e [N, K] = dY_eᵀ · X_e: A = dY [rows, N], B = X [rows, K].
-        Pass::Wgrad => (
-            GroupedDesc::wgrad_for(g, rows, n, k, BLayout::Nk).0,
-            rows * n,
-            rows * k,
-        ),
+    // dgrad reads dY [rows, N]; wgrad dW_e [N, K] = dY_eᵀ · X_e: A = dY [rows, N], B = X [rows, K].
+    let (pass, a_len, b_len) = match case.pass {
+        Pass::Fwd => (0, rows * k, g * n * k),
+        Pass::Dgrad => (1, rows * n, g * n * k),
+        Pass::Wgrad => (2, rows * n, rows * k),
     };
-    let desc = GroupedDesc {
-        rows_per_group_hint: Some(rows / g.max(1)),
-        ..desc
-    };
+    let desc = moefuse_bench_capi::grouped_desc(pass, g, rows, n, k)
+        .expect("every bench pass maps to a grouped problem");
     Problem {
         desc,
         ends,
