@@ -13,6 +13,7 @@
 #include "cute/tensor.hpp"
 #include "moefuse/abi.h"
 #include "moefuse/common/layout.hpp"
+#include "moefuse/common/status.hpp"
 #include "moefuse/common/stride.hpp"
 
 namespace moefuse {
@@ -49,6 +50,16 @@ CUTE_HOST_DEVICE GroupRows group_rows(const int32_t* offsets, int e, int total_r
   int start = e == 0 ? 0 : clamp(offsets[e - 1]);
   if (start > end) start = end;
   return {start, end};
+}
+
+// The operands of a grouped launch, checked by run only (a workspace query takes a problem
+// without them); shared by every grouped launcher.
+inline moefuse_status check_grouped_pointers(const moefuse_grouped_gemm_args* p, const char* name) {
+  if (p->offsets == nullptr || p->a == nullptr || p->b == nullptr || p->d == nullptr) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null pointer (offsets=%p a=%p b=%p d=%p)", name,
+                (const void*)p->offsets, p->a, p->b, p->d);
+  }
+  return MOEFUSE_STATUS_OK;
 }
 
 // The arrays CUTLASS's grouped kernels read, carved out of the caller's workspace.

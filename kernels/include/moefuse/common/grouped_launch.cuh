@@ -43,15 +43,6 @@ struct GroupedLauncher {
     return MOEFUSE_STATUS_OK;
   }
 
-  // The operands, checked by run only (the workspace query takes a problem without them).
-  static moefuse_status check_pointers(const moefuse_grouped_gemm_args* p, const char* name) {
-    if (p->offsets == nullptr || p->a == nullptr || p->b == nullptr || p->d == nullptr) {
-      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null pointer (offsets=%p a=%p b=%p d=%p)", name,
-                  (const void*)p->offsets, p->a, p->b, p->d);
-    }
-    return MOEFUSE_STATUS_OK;
-  }
-
   static typename Gemm::Arguments arguments(const moefuse_grouped_gemm_args& p, const Arrays& arr, int device,
                                             int sms) {
     typename Gemm::Arguments args;
@@ -90,7 +81,7 @@ struct GroupedLauncher {
                             const char* name) {
     moefuse_status st = check(p, name);
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0) return st;
-    st = check_pointers(p, name);
+    st = check_grouped_pointers(p, name);
     if (st != MOEFUSE_STATUS_OK) return st;
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);

@@ -126,10 +126,8 @@ struct ContiguousGroupedLauncher {
     (void)ws_bytes;
     moefuse_status st = check(p, name);
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0 || p->total_rows == 0) return st;
-    if (p->offsets == nullptr || p->a == nullptr || p->b == nullptr || p->d == nullptr) {
-      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null pointer (offsets=%p a=%p b=%p d=%p)", name,
-                  (const void*)p->offsets, p->a, p->b, p->d);
-    }
+    st = check_grouped_pointers(p, name);
+    if (st != MOEFUSE_STATUS_OK) return st;
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;
