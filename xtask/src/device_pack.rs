@@ -135,6 +135,12 @@ fn shared_library(package: &str, sm: &str) -> Result<PathBuf> {
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|m| m["reason"] == "compiler-artifact")
+        // The package's own cdylib, not a proc-macro dependency's `.so` (those come first).
+        .filter(|m| {
+            m["target"]["kind"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|k| k == "cdylib"))
+        })
         .flat_map(|m| {
             m["filenames"]
                 .as_array()
