@@ -58,6 +58,19 @@ pub fn zipf(experts: usize, rows: usize) -> Vec<usize> {
     sizes
 }
 
+/// A router's counts: each of `tokens` tokens picks `top_k` distinct experts uniformly (fixed
+/// seed), so every expert gets about `tokens · top_k / experts` rows with binomial spread.
+pub fn routed(experts: usize, tokens: usize, top_k: usize) -> Vec<usize> {
+    let mut rng = moefuse_testkit::Rng::new(0x5eed_0f_70e5);
+    let mut sizes = vec![0; experts];
+    for _ in 0..tokens {
+        for e in rng.distinct(experts, top_k) {
+            sizes[e as usize] += 1;
+        }
+    }
+    sizes
+}
+
 /// Every case: each model's gate_up and down forward; dgrad and wgrad for two models;
 /// skewed, zero-row and decode-sized routing on Qwen3-30B-A3B.
 pub fn all() -> Vec<Case> {
@@ -114,6 +127,16 @@ pub fn all() -> Vec<Case> {
         gate_up,
         zipf(e, rows),
     ));
+    // Realistic routing (8192 tokens, top-8 of 128: ~512 ± 22 rows per expert), both
+    // projections: the case the tile heuristic's ragged-group model is about.
+    for (proj, nk) in [("gate_up", gate_up), ("down", (2048, 768))] {
+        out.push(case(
+            format!("qwen3-30b-a3b-ep1-{proj}-fwd-routed"),
+            Pass::Fwd,
+            nk,
+            routed(e, 8192, 8),
+        ));
+    }
     let mut one = vec![0; e];
     one[7] = rows;
     out.push(case(
@@ -156,6 +179,10 @@ mod tests {
         let z = zipf(128, 65536);
         assert_eq!(z.iter().sum::<usize>(), 65536);
         assert!(z[0] > 10 * z[127]);
+        let r = routed(128, 8192, 8);
+        assert_eq!(r.iter().sum::<usize>(), 65536);
+        assert!(r.iter().all(|&s| (400..640).contains(&s)), "{r:?}");
+        assert!(r.iter().any(|&s| s != 512));
         for c in all() {
             assert!(c.sizes.iter().sum::<usize>() > 0, "{}", c.name);
         }

@@ -221,28 +221,32 @@ fn sweep(
     let sets = a.len();
     let mut out = Vec::new();
     for name in &names {
-        // The contiguous kernel reads the swizzle field as its band height in m-block units
-        // and has an L2 prefetch depth (0: off); CUTLASS's take swizzle 1/2/4.
-        let orders: Vec<(Raster, &str, u8, u8)> = if name.ends_with("_contig") {
-            let mut o: Vec<_> = [0u8, 4, 8]
-                .iter()
-                .map(|&pf| (Raster::AlongN, "N", 4u8, pf))
-                .collect();
-            o.extend([(Raster::AlongM, "M", 4, 0), (Raster::AlongN, "N", 16, 0)]);
-            o
+        // The contiguous kernel reads the swizzle field as its band height in m-block units,
+        // can interleave its tile list's front and back (`i`) and has an L2 prefetch depth
+        // (p<N>; measured slower, one depth kept); CUTLASS's take swizzle 1/2/4.
+        let orders: Vec<(Raster, &str, u8, u8, bool)> = if name.ends_with("_contig") {
+            vec![
+                (Raster::AlongN, "N", 4, 0, false),
+                (Raster::AlongN, "N", 4, 0, true),
+                (Raster::AlongN, "N", 4, 4, false),
+                (Raster::AlongM, "M", 4, 0, false),
+                (Raster::AlongM, "M", 4, 0, true),
+                (Raster::AlongN, "N", 16, 0, false),
+            ]
         } else {
             [(Raster::AlongM, "M"), (Raster::AlongN, "N")]
                 .iter()
-                .flat_map(|&(r, n)| [1u8, 2, 4].map(|s| (r, n, s, 0u8)))
+                .flat_map(|&(r, n)| [1u8, 2, 4].map(|s| (r, n, s, 0u8, false)))
                 .collect()
         };
-        for &(raster, rname, swizzle, prefetch) in &orders {
+        for &(raster, rname, swizzle, prefetch, interleave) in &orders {
             {
                 let desc = GroupedDesc {
                     tile_order: TileOrder {
                         raster,
                         swizzle,
                         prefetch,
+                        interleave,
                     },
                     ..p.desc
                 };
@@ -265,11 +269,13 @@ fn sweep(
                 })];
                 let s = time_interleaved(stream, &mut one, 2, samples)?[0];
                 let tflops = case.flops() / s.median_us / 1e6;
-                let label = if prefetch == 0 {
-                    format!("{}/{name}/r{rname}s{swizzle}", case.name)
-                } else {
-                    format!("{}/{name}/r{rname}s{swizzle}p{prefetch}", case.name)
-                };
+                let mut label = format!("{}/{name}/r{rname}s{swizzle}", case.name);
+                if prefetch != 0 {
+                    label += &format!("p{prefetch}");
+                }
+                if interleave {
+                    label += "i";
+                }
                 println!(
                     "{label:<100} {:9.1} us {tflops:6.1} TFLOP/s  diff {diff:.1e}",
                     s.median_us

@@ -99,7 +99,7 @@ pub enum GemmError {
         what: String,
     },
     /// A tile order the kernels do not implement.
-    #[error("tile order swizzle {swizzle}: must be 0 or a power of two up to {max} for the chosen variant (and prefetch 0 unless it is a contiguous one)")]
+    #[error("tile order swizzle {swizzle}: must be 0 or a power of two up to {max} for the chosen variant (and prefetch 0, interleave off unless it is a contiguous one)")]
     InvalidTileOrder {
         /// The requested swizzle.
         swizzle: u8,

@@ -66,6 +66,11 @@ pub struct TileOrder {
     /// it works on the current one (0, the default: none; a tuning knob that measured no
     /// gain on the H200, docs/perf-notes.md).
     pub prefetch: u8,
+    /// The contiguous kernel only: alternate the front and the back of the tile list, so
+    /// the tiles running at once mix early and late groups (false, the default: measured in
+    /// docs/perf-notes.md; it spreads the weight reads of routing that puts large groups
+    /// first and many small ones last).
+    pub interleave: bool,
 }
 
 /// Walk direction of the tile scheduler.
@@ -93,7 +98,10 @@ impl TileOrder {
                 max: 128,
             });
         }
-        Ok(raster | (i32::from(self.swizzle) << 8) | (i32::from(self.prefetch) << 16))
+        Ok(raster
+            | (i32::from(self.swizzle) << 8)
+            | (i32::from(self.prefetch) << 16)
+            | (i32::from(self.interleave) << 24))
     }
 }
 
@@ -356,7 +364,11 @@ impl GroupedGemm {
         let variant =
             heuristics::choose(self.spec.as_ref(), &desc.problem(), self.device, variant)?;
         let contiguous = variant.spec.schedule == moefuse_kernels::Schedule::Contiguous;
-        if !contiguous && (desc.tile_order.swizzle > 8 || desc.tile_order.prefetch != 0) {
+        if !contiguous
+            && (desc.tile_order.swizzle > 8
+                || desc.tile_order.prefetch != 0
+                || desc.tile_order.interleave)
+        {
             return Err(GemmError::InvalidTileOrder {
                 swizzle: desc.tile_order.swizzle,
                 max: 8,
@@ -588,7 +600,7 @@ mod tests {
             TileOrder {
                 raster,
                 swizzle,
-                prefetch: 0,
+                ..TileOrder::default()
             }
             .encode()
         };
@@ -604,6 +616,11 @@ mod tests {
             ..TileOrder::default()
         };
         assert_eq!(pf.encode().unwrap(), 255 << 16);
+        let mixed = TileOrder {
+            interleave: true,
+            ..TileOrder::default()
+        };
+        assert_eq!(mixed.encode().unwrap(), 1 << 24);
     }
 
     #[test]

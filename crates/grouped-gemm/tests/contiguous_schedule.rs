@@ -2,7 +2,8 @@
 //! (`kernels/include/moefuse/sched/grouped_contiguous.cuh`), line for line, checked
 //! exhaustively on random group layouts: every (group, m-block, n-block) of every group is
 //! stored by exactly one CTA, empty groups get no tiles, a tile never reaches past its
-//! group's rows, and cluster partners walk the same group and n-block.
+//! group's rows, and cluster partners walk the same group and n-block, in both walks
+//! (group-major, and its front and back interleaved).
 
 use moefuse_testkit::Rng;
 
@@ -51,15 +52,37 @@ fn walk(
     n_blocks: i32,
     band: i32,
     n_fast: bool,
+    interleave: bool,
     first: i32,
     stride: i32,
     rank: i32,
 ) -> Vec<Tile> {
     let total = t.total_m_units * n_blocks;
-    let (mut tile, mut group, mut out) = (first, 0usize, vec![]);
-    while tile < total {
-        while tile >= t.m_units_end[group] * n_blocks {
-            group += 1;
+    let (mut pos, mut group, mut out) = (first, 0usize, vec![]);
+    while pos < total {
+        let tile = if !interleave {
+            pos
+        } else if pos % 2 == 1 {
+            total - 1 - pos / 2
+        } else {
+            pos / 2
+        };
+        if interleave {
+            // The device's binary search: the first group whose tiles end past `tile`.
+            let (mut lo, mut hi) = (0usize, t.m_units_end.len() - 1);
+            while lo < hi {
+                let mid = (lo + hi) / 2;
+                if tile < t.m_units_end[mid] * n_blocks {
+                    hi = mid;
+                } else {
+                    lo = mid + 1;
+                }
+            }
+            group = lo;
+        } else {
+            while tile >= t.m_units_end[group] * n_blocks {
+                group += 1;
+            }
         }
         let first_unit = if group == 0 {
             0
@@ -85,7 +108,7 @@ fn walk(
             rows,
             n_block,
         });
-        tile += stride;
+        pos += stride;
     }
     out
 }
@@ -116,6 +139,7 @@ fn every_tile_of_every_group_is_stored_exactly_once() {
         let cluster_m = 1 + case % 2;
         let band = 1 << rng.below(6);
         let n_fast = rng.below(2) == 1;
+        let interleave = rng.below(2) == 1;
         let clusters = 1 + rng.below(70) as i32;
         let table = build(&ends, total_rows, tile_m, cluster_m);
         // stored[(row, n_block)] counts the CTAs that store that row of that column block.
@@ -124,7 +148,8 @@ fn every_tile_of_every_group_is_stored_exactly_once() {
             let per_rank: Vec<Vec<Tile>> = (0..cluster_m)
                 .map(|r| {
                     walk(
-                        &table, tile_m, cluster_m, n_blocks, band, n_fast, c, clusters, r,
+                        &table, tile_m, cluster_m, n_blocks, band, n_fast, interleave, c, clusters,
+                        r,
                     )
                 })
                 .collect();

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{
     check_offsets, reference, BLayout, GemmError, GroupedDesc, GroupedGemm, GroupedOp, Operand,
+    TileOrder,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
@@ -153,6 +154,18 @@ fn every_variant(
         for v in variants.iter().map(|v| Some(v.as_str())).chain([None]) {
             let err = check(&gemm, &stream, &desc, &ends, v, rng.next_u64(), true)?;
             println!("{op_name} {name} {v:?}: rel err {err:.2e}");
+            // The contiguous kernel's other tile walk (front and back interleaved).
+            if v.is_some_and(|v| v.ends_with("_contig")) {
+                let mixed = GroupedDesc {
+                    tile_order: TileOrder {
+                        interleave: true,
+                        ..desc.tile_order
+                    },
+                    ..desc
+                };
+                let err = check(&gemm, &stream, &mixed, &ends, v, rng.next_u64(), true)?;
+                println!("{op_name} {name} {v:?} interleaved: rel err {err:.2e}");
+            }
         }
     }
     Ok(())

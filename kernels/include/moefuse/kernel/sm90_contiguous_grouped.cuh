@@ -72,6 +72,7 @@ struct Sm90ContiguousGrouped {
     float beta;
     int band;      // m-blocks per band of the tile order
     int n_fast;    // 1: a band's n-blocks first
+    int interleave;  // 1: the tile list's front and back alternate
     int prefetch;  // k-blocks of the next tile's A and W_e tiles prefetched into L2
   };
 
@@ -120,7 +121,7 @@ struct Sm90ContiguousGrouped {
 
     const int n_blocks = (p.n + kTileN - 1) / kTileN;
     const int k_tiles = (p.k + kTileK - 1) / kTileK;
-    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, int(blockIdx.x) / kClusterM,
+    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, p.interleave != 0, int(blockIdx.x) / kClusterM,
                         int(gridDim.x) / kClusterM, int(rank));
     Mainloop mainloop;
     sched::GroupTile tile;

@@ -4,7 +4,12 @@
 // consecutive tile numbers share a group, and within a group in bands of `band` m-blocks
 // (all n-blocks of a band before the next band), so the tiles running at once touch a
 // bounded set of A rows and W_e columns. CTA c of a persistent grid of G takes tiles
-// c, c + G, c + 2G, ... Empty groups own no tiles.
+// c, c + G, c + 2G, ... Empty groups own no tiles. With `interleave`, walk position t takes
+// tile t / 2 when t is even and tile T - 1 - t / 2 when odd (T tiles in all): the list's
+// front and back meet in the middle, so the tiles running at once mix early and late
+// groups. NOTES: when routing puts the large groups first (sorted, Zipf-like), the small
+// groups at the end each read all of their W_e for one or two m-blocks; run back to back
+// they would ask HBM for up to ~3x the bytes per wave of a balanced run.
 //
 // With a cluster of C CTAs along M (which share each W_e tile through TMA multicast) the
 // walk is over cluster tiles: a group's m-blocks are counted in units of C, and CTA rank r
@@ -30,6 +35,7 @@ struct ContiguousGroupTable {
   int32_t row_end[kMaxGroups];
   int32_t m_units_end[kMaxGroups];  // inclusive prefix sum of ceil(ceil(rows_e / TileM) / ClusterM)
   int32_t total_m_units;
+  int32_t groups;
 };
 
 // One output tile: rows [row0, row0 + rows) of group `group` (0 <= rows <= TileM; the A
@@ -69,19 +75,24 @@ struct ContiguousGroupScheduler {
     }
     const int before = inclusive - sum;
     for (int e = begin; e < end; ++e) table.m_units_end[e] += before;
-    if (lane == 31) table.total_m_units = inclusive;
+    if (lane == 31) {
+      table.total_m_units = inclusive;
+      table.groups = groups;
+    }
   }
 
   // A walker over this CTA's tiles. `band` m-block units per band (>= 1); `n_fast` walks a
-  // band's n-blocks first (rows of A reused), else its units first (W_e columns reused).
+  // band's n-blocks first (rows of A reused), else its units first (W_e columns reused);
+  // `interleave` alternates the tile list's front and back (above).
   // `first`/`stride`: this cluster's index and the number of clusters; `rank`: this CTA's
   // rank along M in its cluster.
-  CUTE_DEVICE ContiguousGroupScheduler(const Table& table, int n_blocks, int band, bool n_fast, int first, int stride,
-                                       int rank)
+  CUTE_DEVICE ContiguousGroupScheduler(const Table& table, int n_blocks, int band, bool n_fast, bool interleave,
+                                       int first, int stride, int rank)
       : table_(table),
         n_blocks_(n_blocks),
         band_(band),
         n_fast_(n_fast),
+        interleave_(interleave),
         tile_(first),
         stride_(stride),
         rank_(rank),
@@ -90,10 +101,21 @@ struct ContiguousGroupScheduler {
   // The next tile of this CTA, or false when it has none left.
   CUTE_DEVICE bool next(GroupTile& out) {
     if (tile_ >= total_) return false;
-    while (tile_ >= table_.m_units_end[group_] * n_blocks_) ++group_;
+    const int tile = interleave_ ? ((tile_ & 1) ? total_ - 1 - (tile_ >> 1) : (tile_ >> 1)) : tile_;
+    if (interleave_) {
+      // Not monotone: the first group whose tiles end past `tile` (binary search).
+      int lo = 0, hi = table_.groups - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (tile < table_.m_units_end[mid] * n_blocks_) hi = mid; else lo = mid + 1;
+      }
+      group_ = lo;
+    } else {
+      while (tile >= table_.m_units_end[group_] * n_blocks_) ++group_;
+    }
     const int first_unit = group_ == 0 ? 0 : table_.m_units_end[group_ - 1];
     const int m_units = table_.m_units_end[group_] - first_unit;
-    const int local = tile_ - first_unit * n_blocks_;
+    const int local = tile - first_unit * n_blocks_;
     const int band_tiles = band_ * n_blocks_;
     const int b = local / band_tiles;
     const int r = local - b * band_tiles;
@@ -119,6 +141,7 @@ struct ContiguousGroupScheduler {
   int n_blocks_;
   int band_;
   bool n_fast_;
+  bool interleave_;
   int tile_;
   int stride_;
   int rank_;

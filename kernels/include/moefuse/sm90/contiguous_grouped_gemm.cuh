@@ -65,9 +65,10 @@ struct ContiguousGroupedLauncher {
     // tile_order: bits 0-1 raster (0/2: a band's n-blocks first, 1: its m-blocks first),
     // bits 8-15 band height in m-block units (0: default; else a power of two up to 128),
     // bits 16-23 k-blocks of the next tile prefetched into L2 (0: none, the default: prefetching
-    // measured slower on the Qwen3 shapes and within noise on the large-K ones).
+    // measured slower on the Qwen3 shapes and within noise on the large-K ones), bit 24: the
+    // tile list's front and back interleaved (sched/grouped_contiguous.cuh).
     const int band = (p->tile_order >> 8) & 0xff;
-    if ((p->tile_order & 3) == 3 || (p->tile_order & ~0xffff03) != 0 || (band & (band - 1)) != 0) {
+    if ((p->tile_order & 3) == 3 || (p->tile_order & ~0x1ffff03) != 0 || (band & (band - 1)) != 0) {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: raster 0-2, band 0 or a power of two", name,
                   p->tile_order);
     }
@@ -116,6 +117,7 @@ struct ContiguousGroupedLauncher {
                p.beta,
                band > 0 ? band : kDefaultBand,
                (p.tile_order & 3) == 1 ? 0 : 1,
+               (p.tile_order >> 24) & 1,
                prefetch};
     return out;
   }
