@@ -61,7 +61,7 @@ pub fn zipf(experts: usize, rows: usize) -> Vec<usize> {
 /// A router's counts: each of `tokens` tokens picks `top_k` distinct experts uniformly (fixed
 /// seed), so every expert gets about `tokens · top_k / experts` rows with binomial spread.
 pub fn routed(experts: usize, tokens: usize, top_k: usize) -> Vec<usize> {
-    let mut rng = moefuse_testkit::Rng::new(0x5eed_0f_70e5);
+    let mut rng = moefuse_testkit::Rng::new(0x5e_ed0f_70e5);
     let mut sizes = vec![0; experts];
     for _ in 0..tokens {
         for e in rng.distinct(experts, top_k) {
