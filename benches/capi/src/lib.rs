@@ -31,7 +31,6 @@ struct Bridge {
     ctx: Arc<CudaContext>,
     gemm: GroupedGemm,
     plans: HashMap<Key, GroupedPlan>,
-    message: String,
 }
 
 static BRIDGE: Mutex<Option<Bridge>> = Mutex::new(None);
@@ -83,13 +82,11 @@ fn with_plan<T>(
             ctx,
             gemm,
             plans: HashMap::new(),
-            message: String::new(),
         });
     }
     let bridge = guard.as_mut().expect("set above");
     if !bridge.plans.contains_key(&key) {
         let plan = bridge.gemm.plan(&problem).map_err(|e| e.to_string())?;
-        bridge.message = plan.variant();
         bridge.plans.insert(key, plan);
     }
     let plan = &bridge.plans[&key];
@@ -136,9 +133,8 @@ pub extern "C" fn moefuse_capi_grouped_plan(
 ) -> i64 {
     let out = guarded(|| {
         key(pass, groups, rows, n, k).and_then(|key| {
-            with_plan(key, |b, plan| {
-                Ok((plan.workspace_bytes(), b.message.clone()))
-            })
+            // The plan's own variant: a cached plan must not report the last new one's.
+            with_plan(key, |_, plan| Ok((plan.workspace_bytes(), plan.variant())))
         })
     });
     match out {
