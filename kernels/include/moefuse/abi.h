@@ -92,7 +92,11 @@ typedef struct moefuse_grouped_gemm_args {
   int32_t k;
   int32_t b_layout;   /* M-grouped: moefuse_b_layout of W_e; K-grouped: ignored */
   int32_t tile_order; /* bits 0-1: raster (0 kernel default, 1 along M, 2 along N);
-                         bits 8-15: max swizzle (0 or 1: none; 2, 4, 8) */
+                         bits 8-15: max swizzle (0 or 1: none; 2, 4, 8), or for the
+                         contiguous (`_contig`) variants the band height in m-blocks
+                         (0: default, else a power of two up to 128);
+                         contiguous variants only: bits 16-23 k-blocks prefetched into
+                         L2 (0: none), bit 24 the interleaved tile walk */
   const int32_t* offsets;
   const void* a;
   const void* b;
