@@ -129,8 +129,10 @@ pub(crate) fn wave_cost(
 /// incomplete cluster: its idle CTA only drains the stages its partner's multicast fills,
 /// which measured at ~2/5 of a tile, not the half a tile of lockstep (H200, 2026-12-03,
 /// routed Qwen3 groups of ~512 rows: the 2x1 contiguous twin 2% faster on gate_up and 3%
-/// slower on down than 1x1; balanced, 2-4% faster on both). Dense or single-group problems
-/// fall back to [`wave_cost`].
+/// slower on down than 1x1; balanced, 2-4% faster on both). The group sizes are not known
+/// here, so neither is the tail: it costs its expected half wave, not a rounding of the
+/// expected tile count (which flipped Mixtral down to 1x1, measured 3.5% slower than 2x1:
+/// 2513 vs 2426 us). Dense or single-group problems fall back to [`wave_cost`].
 pub(crate) fn ragged_wave_cost(
     p: &Problem,
     tile_m: usize,
@@ -145,7 +147,7 @@ pub(crate) fn ragged_wave_cost(
     }
     let m_tiles = p.m as f64 / tile_m as f64 + 0.5 + (cluster_m.max(1) - 1) as f64 / 5.0;
     let tiles = p.groups as f64 * m_tiles * p.n.div_ceil(tile_n) as f64;
-    (tiles / sms.max(1) as f64).ceil() * (tile_m * tile_n) as f64 / efficiency
+    (tiles / sms.max(1) as f64 + 0.5) * (tile_m * tile_n) as f64 / efficiency
 }
 
 #[cfg(test)]
