@@ -120,7 +120,8 @@ pub fn all() -> Vec<Case> {
             ));
         }
     }
-    let (e, rows, gate_up) = (128, 65536, (1536, 2048));
+    // Qwen3-30B-A3B at EP1 (the first model) for the routing variants.
+    let (_, e, rows, gate_up, down) = models[0];
     out.push(case(
         "qwen3-30b-a3b-ep1-gate_up-fwd-skew".into(),
         Pass::Fwd,
@@ -129,7 +130,7 @@ pub fn all() -> Vec<Case> {
     ));
     // Realistic routing (8192 tokens, top-8 of 128: ~512 ± 22 rows per expert), both
     // projections: the case the tile heuristic's ragged-group model is about.
-    for (proj, nk) in [("gate_up", gate_up), ("down", (2048, 768))] {
+    for (proj, nk) in [("gate_up", gate_up), ("down", down)] {
         out.push(case(
             format!("qwen3-30b-a3b-ep1-{proj}-fwd-routed"),
             Pass::Fwd,
