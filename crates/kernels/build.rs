@@ -25,9 +25,9 @@ fn run() -> Result<(), String> {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
     let out = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
     let kernels = manifest
-        .join("../../kernels")
+        .join("cuda")
         .canonicalize()
-        .map_err(|e| format!("kernels/: {e}"))?;
+        .map_err(|e| format!("cuda/: {e}"))?;
     println!("cargo:rerun-if-changed=src/variant_table.rs");
     moefuse_kernel_build::cargo_rerun_if_changed(
         &kernels,

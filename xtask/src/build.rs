@@ -14,9 +14,9 @@ use std::time::Duration;
 pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
     let archs = parse_archs(sm).map_err(|e| e.to_string())?;
     let tc = Toolchain::discover().map_err(|e| e.to_string())?;
-    let kernels = root().join("kernels");
+    let kernels = root().join("crates/kernels/cuda");
     let mut units = units(&kernels, &archs).map_err(|e| e.to_string())?;
-    units.extend(nvshmem_modules(&kernels, &archs).map_err(|e| e.to_string())?);
+    units.extend(nvshmem_modules(&root().join("crates/comm/cuda"), &archs).map_err(|e| e.to_string())?);
     let jobs = jobs.unwrap_or_else(default_jobs);
     let cache = Cache::default_dir().map_err(|e| e.to_string())?;
     println!(

@@ -13,7 +13,7 @@ use variant_table::{VariantArch, VARIANTS};
 pub fn run(check: bool) -> Result<()> {
     let mut problems = Vec::new();
     for arch in [VariantArch::Sm90a, VariantArch::Sm100a] {
-        let dir = root().join("kernels/instances").join(arch.name());
+        let dir = root().join("crates/kernels/cuda/instances").join(arch.name());
         fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let wanted: Vec<_> = VARIANTS.iter().filter(|v| v.arch == arch).collect();
         for v in &wanted {

@@ -122,9 +122,10 @@ pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError
     Ok(out)
 }
 
-/// The NVSHMEM device modules of `kernels_dir` (`comm/*.cu`), one unit per arch.
-pub fn nvshmem_modules(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError> {
-    let sources = list(&kernels_dir.join("comm"), "cu")?;
+/// The NVSHMEM device modules in `sources_dir` (`*.cu`, moefuse-comm's `cuda/`), one unit
+/// per arch.
+pub fn nvshmem_modules(sources_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError> {
+    let sources = list(sources_dir, "cu")?;
     let mut out = Vec::new();
     for &arch in archs {
         for source in &sources {
