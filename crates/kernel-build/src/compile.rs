@@ -1,6 +1,6 @@
 //! Translation units, parallel nvcc with the cache, and the static archive.
 
-use crate::cache::{hash_bytes, parse_depfile, Cache};
+use crate::cache::{hash_bytes, parse_depfile, Cache, DepRoots, CACHE_FORMAT};
 use crate::{io_err, Arch, BuildError, Toolchain, PINS};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -204,25 +204,50 @@ pub fn compile_all(
     Ok(done.into_iter().map(|(_, o)| o).collect())
 }
 
-fn unit_flags(tc: &Toolchain, kernels_dir: &Path, unit: &Unit) -> Vec<String> {
-    let mut flags: Vec<String> = NVCC_FLAGS.iter().map(|s| s.to_string()).collect();
-    flags.push(format!("-I{}", kernels_dir.join("include").display()));
-    for inc in &tc.cutlass_include {
-        flags.push(format!("-I{}", inc.display()));
+/// nvcc's flags for `unit`, each path written as a root name and the path it stands for
+/// (`("<kernels>/include", "/abs/.../include")`): the names go into the cache key, so the
+/// key does not depend on where the checkout or the toolchain lives.
+fn unit_flags(tc: &Toolchain, kernels_dir: &Path, unit: &Unit) -> Vec<(String, String)> {
+    let plain = |f: &str| (f.to_string(), f.to_string());
+    let include = |name: String, path: &Path| (format!("-I{name}"), format!("-I{}", path.display()));
+    let mut flags: Vec<(String, String)> = NVCC_FLAGS.iter().map(|f| plain(f)).collect();
+    flags.push(include("<kernels>/include".into(), &kernels_dir.join("include")));
+    for (i, inc) in tc.cutlass_include.iter().enumerate() {
+        flags.push(include(format!("<cutlass:{i}>"), inc));
     }
     if let Some(arch) = unit.arch {
-        flags.push(arch.gencode().to_string());
+        flags.push(plain(arch.gencode()));
     }
     for arch in &unit.fat_archs {
-        flags.push(arch.gencode().to_string());
+        flags.push(plain(arch.gencode()));
     }
     if unit.kind == UnitKind::NvshmemModule {
-        flags.push("-rdc=true".into());
+        flags.push(plain("-rdc=true"));
         if let Some(root) = &tc.nvshmem_root {
-            flags.push(format!("-I{}", root.join("include").display()));
+            flags.push(include("<nvshmem>/include".into(), &root.join("include")));
         }
     }
     flags
+}
+
+/// What identifies the toolchain's content wherever it is installed: the pins, nvcc's
+/// version line, and the CUTLASS and NVSHMEM version headers (which differ between
+/// releases even when a user points `CUTLASS_DIR` or `NVSHMEM_HOME` elsewhere).
+fn toolchain_identity(tc: &Toolchain) -> String {
+    let header = |p: PathBuf| crate::cache::hash_file(&p).unwrap_or_else(|_| "absent".into());
+    let cutlass = tc
+        .cutlass_include
+        .first()
+        .map_or_else(|| "absent".into(), |inc| header(inc.join("cutlass/version.h")));
+    let nvshmem = tc.nvshmem_root.as_ref().map_or_else(
+        || "absent".into(),
+        |root| header(root.join("include/non_abi/nvshmem_version.h")),
+    );
+    format!(
+        "{}; {}; cutlass {cutlass}; nvshmem {nvshmem}",
+        PINS.stamp(),
+        tc.nvcc_version
+    )
 }
 
 fn compile_one(
@@ -233,12 +258,23 @@ fn compile_one(
     on_event: &(impl Fn(Event) + Sync),
 ) -> Result<Object, BuildError> {
     let source_text = fs::read(&unit.source).map_err(io_err(&unit.source))?;
+    let source_dir = unit
+        .source
+        .parent()
+        .unwrap_or(Path::new("."))
+        .canonicalize()
+        .map_err(io_err(&unit.source))?;
+    let roots = DepRoots {
+        kernels: kernels_dir,
+        source_dir: &source_dir,
+    };
     let flags = unit_flags(tc, kernels_dir, unit);
+    let portable: Vec<&str> = flags.iter().map(|(name, _)| name.as_str()).collect();
     let key = hash_bytes(&[
+        CACHE_FORMAT.as_bytes(),
         &source_text,
-        flags.join(" ").as_bytes(),
-        PINS.stamp().as_bytes(),
-        tc.nvcc_version.as_bytes(),
+        portable.join(" ").as_bytes(),
+        toolchain_identity(tc).as_bytes(),
         unit.label().as_bytes(),
         format!("{:?}", unit.kind).as_bytes(),
     ]);
@@ -249,7 +285,7 @@ fn compile_one(
     if unit.kind == UnitKind::NvshmemModule && tc.nvshmem_root.is_none() {
         return Err(BuildError::Tool { tool: "nvshmem".into(), detail: "no NVSHMEM headers and libnvshmem_device in the toolchain (cargo xtask setup, or NVSHMEM_HOME)".into() });
     }
-    if let Some(path) = cache.lookup(&key, product) {
+    if let Some(path) = cache.lookup(&key, product, &roots) {
         let obj = Object {
             unit: unit.clone(),
             path,
@@ -260,12 +296,40 @@ fn compile_one(
         return Ok(obj);
     }
     on_event(Event::Started(unit.clone()));
-    let entry = cache.entry(&key);
-    fs::create_dir_all(&entry).map_err(io_err(&entry))?;
-    let (object, depfile) = (entry.join("object.o"), entry.join("object.d"));
+    // Build in a private staging folder; publish renames it into place when complete.
+    let staging = cache.staging(&key)?;
     let start = Instant::now();
+    let result = build_entry(tc, unit, &flags, &staging, product, &roots, cache);
+    let path = match result {
+        Ok(()) => cache.publish(&staging, &key, product, &roots)?,
+        Err(e) => {
+            let _ = fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
+    let obj = Object {
+        unit: unit.clone(),
+        path,
+        cached: false,
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    on_event(Event::Finished(obj.clone()));
+    Ok(obj)
+}
+
+/// Runs nvcc (and the device link for modules) into `staging`, then records the deps.
+fn build_entry(
+    tc: &Toolchain,
+    unit: &Unit,
+    flags: &[(String, String)],
+    staging: &Path,
+    product: &str,
+    roots: &DepRoots<'_>,
+    cache: &Cache,
+) -> Result<(), BuildError> {
+    let (object, depfile) = (staging.join("object.o"), staging.join("object.d"));
     let out = Command::new(tc.nvcc())
-        .args(&flags)
+        .args(flags.iter().map(|(_, real)| real))
         .arg("-MD")
         .arg("-MF")
         .arg(&depfile)
@@ -289,7 +353,6 @@ fn compile_one(
         _ => unit.arch.map_or("host", Arch::name).to_string(),
     };
     if !out.status.success() {
-        let _ = fs::remove_file(&object);
         return Err(BuildError::Nvcc {
             source_file: unit.source.clone(),
             arch,
@@ -301,21 +364,11 @@ fn compile_one(
     let deps: Vec<PathBuf> = parse_depfile(&deps_text)
         .into_iter()
         .filter_map(|p| p.canonicalize().ok())
-        .filter(|p| p.starts_with(kernels_dir))
         .collect();
-    let path = match unit.kind {
-        UnitKind::Object | UnitKind::FatObject => object,
-        UnitKind::NvshmemModule => device_link(tc, unit, &object, &entry.join(product))?,
-    };
-    cache.record(&key, &deps)?;
-    let obj = Object {
-        unit: unit.clone(),
-        path,
-        cached: false,
-        seconds: start.elapsed().as_secs_f64(),
-    };
-    on_event(Event::Finished(obj.clone()));
-    Ok(obj)
+    if unit.kind == UnitKind::NvshmemModule {
+        device_link(tc, unit, &object, &staging.join(product))?;
+    }
+    cache.record(staging, &deps, roots)
 }
 
 /// `nvcc -dlink -fatbin` of an `-rdc` object against `libnvshmem_device`.

@@ -28,7 +28,7 @@ mod compile;
 mod toolchain;
 
 pub use arch::{parse_archs, Arch};
-pub use cache::Cache;
+pub use cache::{Cache, DepRoots};
 pub use compile::{
     archive, compile_all, default_jobs, nvshmem_modules, units, Event, Object, Unit, UnitKind,
     NVCC_FLAGS,
@@ -83,6 +83,14 @@ pub enum BuildError {
         tool: String,
         /// What went wrong.
         detail: String,
+    },
+    /// The kernel cache folder cannot be used safely.
+    #[error("kernel cache {path}: {reason}")]
+    CacheDir {
+        /// The folder (empty when none could be chosen).
+        path: PathBuf,
+        /// Why it was refused.
+        reason: String,
     },
     /// Filesystem error at a path.
     #[error("{path}: {source}")]
