@@ -6,6 +6,11 @@
 #   run.sh torch [--filter S]  the PyTorch grouped-GEMM baseline (with lib/ in the pack:
 #                      moefuse and dense cuBLAS interleaved beside it, same tensors)
 #   run.sh torch_ep    only the PyTorch dispatch/combine baseline
+#   run.sh sanitize [S]  every GPU test binary (or those whose name contains S) under
+#                      compute-sanitizer: memcheck, then racecheck and synccheck (the
+#                      kernels use shared memory); one line per binary and tool, then
+#                      "SANITIZE: N runs, N clean, N with errors" (SANITIZE_TOOLS,
+#                      SANITIZE_TIMEOUT seconds per run, default 900)
 #   run.sh all         test, then bench
 #   run.sh NAME ARGS   one program from bin/ (e.g. gemm_demo 8192 8192 8192)
 set -u
@@ -73,8 +78,50 @@ run_torch() {
     PYTHONUNBUFFERED=1 python3 "$here/py/torch_grouped_mm.py" --cases "$logs/cases.json" --out "$out" "${lib[@]}"
 }
 
+# NOTES: NVSHMEM's host library launches its own kernels from its init; the suites that
+# bootstrap NVSHMEM (ep, version) are run with NVSHMEM's CUDA-VMM symmetric heap off, which
+# the sanitizer does not track (docs/development.md, "Sanitizers").
+run_sanitize() {
+  local pat="${1:-}" cs tools runs=0 clean=0 dirty=0 bad=()
+  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  tools=${SANITIZE_TOOLS:-memcheck racecheck synccheck}
+  echo "sanitizer: $("$cs" --version 2>&1 | tail -1)"
+  for t in "$here"/tests/*${pat}*; do
+    [ -x "$t" ] || continue
+    local name extra=() env_extra=()
+    name=$(basename "$t")
+    case "$name" in ep_gpu*|version*) env_extra=(NVSHMEM_DISABLE_CUDA_VMM=1) ;; esac
+    for tool in $tools; do
+      local log="$logs/$name.$tool.log" rc errs summary
+      case "$tool" in
+        memcheck) extra=(--leak-check no) ;;
+        racecheck) extra=(--racecheck-report hazard) ;;
+        *) extra=() ;;
+      esac
+      env "${env_extra[@]}" timeout "${SANITIZE_TIMEOUT:-900}" "$cs" --tool "$tool" \
+        --error-exitcode 99 --print-limit 20 "${extra[@]}" "$t" --test-threads=1 >"$log" 2>&1
+      rc=$?
+      { echo "===== $name [$tool] (exit $rc)"; cat "$log"; } >>"$out/sanitize.log"
+      summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
+      errs=$(sed -nE 's/.*SUMMARY: ([0-9]+) .*/\1/p' <<<"$summary")
+      runs=$((runs + 1))
+      if [ "$rc" = 0 ] && [ "${errs:-0}" = 0 ] && [ -n "$summary" ]; then
+        clean=$((clean + 1))
+      else
+        dirty=$((dirty + 1)); bad+=("$name [$tool]")
+      fi
+      printf '%-40s %-10s exit %-4s %s\n' "$name" "$tool" "$rc" "${summary:-no sanitizer summary (timed out or crashed)}"
+      grep -h "^test result:" "$log" | tail -1 | sed 's/^/    /'
+    done
+  done
+  echo "SANITIZE: $runs runs, $clean clean, $dirty with errors or no summary"
+  for b in "${bad[@]}"; do echo "--- $b"; done
+  [ "$dirty" = 0 ]
+}
+
 case "${1:-all}" in
   test) shift; run_tests "$@" ;;
+  sanitize) shift; run_sanitize "$@" ;;
   bench) run_bench ;;
   torch) shift; run_torch "$@" ;;
   torch_ep) shift; PYTHONUNBUFFERED=1 python3 "$here/py/torch_dispatch_combine.py" --out "$out" "$@" ;;
