@@ -6,6 +6,10 @@ use serde::{Deserialize, Serialize};
 
 /// `hidden` and `intermediate` must be positive multiples of this.
 pub const DIM_MULTIPLE: usize = 64;
+/// The largest `hidden` or `intermediate` (2^20): far above any model's, and low enough that
+/// every size the layer computes from a valid config (e.g. `E·2I·D`, `max_tokens·k·D`)
+/// fits in `usize` and every per-row extent in the kernels' int32.
+pub const MAX_DIM: usize = 1 << 20;
 /// The largest supported expert count.
 pub const MAX_EXPERTS: usize = 512;
 /// The largest supported top-k.
@@ -237,7 +241,7 @@ impl RouterKind {
 /// `k = top_k`. Build with [`MoeConfig::new`] (SwiGLU, split layout, renormalised softmax
 /// router) and the `with_*` methods; [`MoeConfig::validate`] checks the rules:
 ///
-/// * `hidden` and `intermediate` are positive multiples of 64;
+/// * `hidden` and `intermediate` are positive multiples of 64, at most 2^20 ([`MAX_DIM`]);
 /// * `1 ≤ experts ≤ 512`; `1 ≤ top_k ≤ 16` and `top_k ≤ experts`;
 /// * grouped router: `n_group ≥ 1` divides `experts`, `experts/n_group ≥ 2`,
 ///   `1 ≤ topk_group ≤ n_group`, `top_k ≤ topk_group·(experts/n_group)`,
@@ -353,6 +357,13 @@ impl MoeConfig {
                     what,
                     value,
                     multiple: DIM_MULTIPLE,
+                });
+            }
+            if value > MAX_DIM {
+                return Err(MoeError::TooLarge {
+                    what,
+                    value,
+                    max: MAX_DIM,
                 });
             }
         }

@@ -225,13 +225,24 @@ pub enum MoeError {
     /// A grouped GEMM of the layer rejected its problem or failed to launch.
     #[error("grouped GEMM: {0}")]
     Gemm(String),
-    /// Device-side routing the kernels flagged (see `MoeLayer::take_routing_errors`).
-    #[error("device routing had {}{}", if *out_of_range { "expert ids outside 0..experts (slots dropped) " } else { "" }, if *duplicate { "a token naming one expert twice" } else { "" })]
+    /// Device-resident routing state the kernels found invalid (they skipped the offending
+    /// slots and raised bits in a [`DeviceErrors`](crate::gpu::DeviceErrors) word; see
+    /// `DeviceErrors::take` and `MoeLayer::take_routing_errors`).
+    #[error("device routing was invalid:{}{}{}{}",
+        if *out_of_range { " expert ids outside 0..experts (slots dropped);" } else { "" },
+        if *duplicate { " a token naming one expert twice;" } else { "" },
+        if *row_out_of_range { " row_of entries outside the rows of y (slots skipped);" } else { "" },
+        if *stale_forward { " a backward whose token count differs from the permutation's (the forward state is stale, e.g. a graph replayed after an eager forward of another T; outputs zeroed)" } else { "" })]
     InvalidDeviceRouting {
         /// Some id was outside `0..experts`.
         out_of_range: bool,
         /// Some token named one expert twice.
         duplicate: bool,
+        /// Some `row_of` entry was outside `-1..rows` of the buffer it indexes.
+        row_out_of_range: bool,
+        /// A combine compared the permutation's token count stamp with its own and they
+        /// differed.
+        stale_forward: bool,
     },
     /// The layer was asked for a backward before any forward.
     #[error("backward called before any forward")]

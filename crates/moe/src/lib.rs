@@ -68,7 +68,7 @@ pub mod gpu;
 pub mod reference;
 
 pub use config::{
-    Activation, GateUpLayout, MoeConfig, RouterKind, DIM_MULTIPLE, MAX_EXPERTS, MAX_TOKENS,
-    MAX_TOP_K,
+    Activation, GateUpLayout, MoeConfig, RouterKind, DIM_MULTIPLE, MAX_DIM, MAX_EXPERTS,
+    MAX_TOKENS, MAX_TOP_K,
 };
 pub use error::MoeError;

@@ -212,3 +212,27 @@ fn widths_and_serde_round_trip() {
     let back: MoeConfig = serde_json::from_str(&json).unwrap();
     assert_eq!(back, cfg);
 }
+
+/// `hidden` and `intermediate` are bounded, so every size the layer derives from a valid
+/// config fits `usize` and the kernels' int32.
+#[test]
+fn dims_above_max_dim_are_rejected() {
+    use moefuse::MAX_DIM;
+    assert_eq!(
+        MoeConfig::new(MAX_DIM + 64, 64, 8, 2).validate(),
+        Err(MoeError::TooLarge {
+            what: "hidden",
+            value: MAX_DIM + 64,
+            max: MAX_DIM
+        })
+    );
+    assert_eq!(
+        MoeConfig::new(64, 1 << 62, 8, 2).validate(),
+        Err(MoeError::TooLarge {
+            what: "intermediate",
+            value: 1 << 62,
+            max: MAX_DIM
+        })
+    );
+    assert!(MoeConfig::new(MAX_DIM, MAX_DIM, 8, 2).validate().is_ok());
+}

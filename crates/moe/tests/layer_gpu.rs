@@ -435,10 +435,194 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
     Ok(())
 }
 
+/// A forward that returns an error leaves no forward state: the backward refuses with
+/// `NoForward` instead of mixing the failed call with the earlier one.
+fn failed_forward_leaves_no_state(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    let case = &cases()[0];
+    let (t, d) = (case.tokens, case.cfg.hidden);
+    let inp = inputs(case, 11)?;
+    let mut layer = MoeLayer::new(&stream, case.cfg, t, &inp.w).map_err(e)?;
+    let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
+    let l = stream.clone_htod(&inp.logits).map_err(e)?;
+    let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
+    let mut y = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
+    let mut dx = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
+    let mut g = layer.gradients().map_err(e)?;
+    layer
+        .forward(&x, t, Routing::Logits(&l), &mut y)
+        .map_err(e)?;
+    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    let mut short = stream.alloc_zeros::<bf16>(t * d - 1).map_err(e)?;
+    match layer.forward(&x, t, Routing::Logits(&l), &mut short) {
+        Err(MoeError::BufferTooSmall { .. }) => {}
+        other => return Err(format!("short y: {other:?}")),
+    }
+    match layer.backward(&dy, &mut dx, &mut g, false) {
+        Err(MoeError::NoForward) => {}
+        other => return Err(format!("backward after a failed forward: {other:?}")),
+    }
+    layer
+        .forward(&x, t, Routing::Logits(&l), &mut y)
+        .map_err(e)?;
+    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    layer.take_routing_errors().map_err(e)
+}
+
+/// A forward graph of `T = a` replayed after an eager forward of `T = b`: the host believes
+/// the state is `b`'s, the device holds `a`'s. The backward's combines see the stamp
+/// disagree, zero `dx` and `d_topk_weights`, and raise the stale bit; a consistent
+/// forward + backward afterwards is clean.
+fn stale_graph_state_is_flagged(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    // SAFETY: every buffer of this test lives on the one capture stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().map_err(e)?;
+    let case = &cases()[0];
+    let (a, d) = (case.tokens, case.cfg.hidden);
+    let b = a / 2;
+    let inp = inputs(case, 23)?;
+    let mut layer = MoeLayer::new(&stream, case.cfg, a, &inp.w).map_err(e)?;
+    let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
+    let l = stream.clone_htod(&inp.logits).map_err(e)?;
+    let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
+    let mut y = stream.alloc_zeros::<bf16>(a * d).map_err(e)?;
+    let mut dx = stream.clone_htod(&vec![POISON_BF16; a * d]).map_err(e)?;
+    let mut g = layer.gradients().map_err(e)?;
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e)?;
+    let captured = layer.forward(&x, a, Routing::Logits(&l), &mut y);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+    captured.map_err(|x| format!("under capture: {x}"))?;
+    let graph = graph.ok_or("no graph")?;
+    layer
+        .forward(&x, b, Routing::Logits(&l), &mut y)
+        .map_err(e)?;
+    graph.launch().map_err(e)?;
+    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    match layer.take_routing_errors() {
+        Err(MoeError::InvalidDeviceRouting {
+            stale_forward: true,
+            ..
+        }) => {}
+        other => {
+            return Err(format!(
+                "backward of T={b} on T={a} state not flagged: {other:?}"
+            ))
+        }
+    }
+    let got = f32s(&stream.clone_dtoh(&dx).map_err(e)?);
+    if let Some(i) = got[..b * d].iter().position(|&v| v != 0.0) {
+        return Err(format!("stale backward: dx[{i}] = {}, want 0", got[i]));
+    }
+    let dw = stream.clone_dtoh(&g.d_topk_weights).map_err(e)?;
+    let k = case.cfg.top_k;
+    if let Some(i) = dw[..b * k].iter().position(|&v| v != 0.0) {
+        return Err(format!(
+            "stale backward: d_topk_weights[{i}] = {}, want 0",
+            dw[i]
+        ));
+    }
+    layer
+        .forward(&x, b, Routing::Logits(&l), &mut y)
+        .map_err(e)?;
+    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    layer
+        .take_routing_errors()
+        .map_err(|x| format!("consistent forward + backward flagged: {x}"))
+}
+
+/// Buffers of another device are refused with `DeviceMismatch` before anything launches
+/// (needs two GPUs).
+fn rejects_foreign_device(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let other = CudaContext::new(1).map_err(e)?;
+    let (s0, s1) = (ctx.new_stream().map_err(e)?, other.new_stream().map_err(e)?);
+    let cfg = MoeConfig::new(128, 128, 8, 2);
+    let t = 16;
+    let w = MoeWeights::zeros(&cfg, false);
+    let mut layer = MoeLayer::new(&s0, cfg, t, &w).map_err(e)?;
+    let x0 = s0.alloc_zeros::<bf16>(t * 128).map_err(e)?;
+    let x1 = s1.alloc_zeros::<bf16>(t * 128).map_err(e)?;
+    let l0 = s0.alloc_zeros::<f32>(t * 8).map_err(e)?;
+    let l1 = s1.alloc_zeros::<f32>(t * 8).map_err(e)?;
+    let mut y0 = s0.alloc_zeros::<bf16>(t * 128).map_err(e)?;
+    let mut y1 = s1.alloc_zeros::<bf16>(t * 128).map_err(e)?;
+    let mismatch = |got: Result<(), MoeError>, want: &str| match got {
+        Err(MoeError::DeviceMismatch {
+            what,
+            buffer: 1,
+            stream: 0,
+        }) if what == want => Ok(()),
+        other => Err(format!("{want} on device 1: {other:?}")),
+    };
+    mismatch(
+        layer.forward(&x1, t, Routing::Logits(&l0), &mut y0),
+        "x [T, D]",
+    )?;
+    mismatch(
+        layer.forward(&x0, t, Routing::Logits(&l0), &mut y1),
+        "y [T, D]",
+    )?;
+    mismatch(
+        layer.forward(&x0, t, Routing::Logits(&l1), &mut y0),
+        "logits [T, E]",
+    )?;
+    let gate_up = s1
+        .alloc_zeros::<bf16>(8 * cfg.gate_up_width() * 128)
+        .map_err(e)?;
+    let down = s0.alloc_zeros::<bf16>(8 * 128 * 128).map_err(e)?;
+    match MoeLayer::with_device_weights(&s0, cfg, t, gate_up, down, None) {
+        Err(MoeError::DeviceMismatch {
+            what: "gate_up [E, W, D]",
+            ..
+        }) => {}
+        Err(other) => return Err(format!("gate_up on device 1: {other:?}")),
+        Ok(_) => return Err("gate_up on device 1 accepted".into()),
+    }
+    layer
+        .forward(&x0, t, Routing::Logits(&l0), &mut y0)
+        .map_err(e)?;
+    let dy1 = s1.alloc_zeros::<bf16>(t * 128).map_err(e)?;
+    let mut dx0 = s0.alloc_zeros::<bf16>(t * 128).map_err(e)?;
+    let mut g = layer.gradients().map_err(e)?;
+    mismatch(layer.backward(&dy1, &mut dx0, &mut g, false), "dy [T, D]")?;
+    let row_of = s0.alloc_zeros::<i32>(t * 2).map_err(e)?;
+    let mut errors = moefuse::gpu::DeviceErrors::new(&s0).map_err(e)?;
+    let y_e1 = s1.alloc_zeros::<bf16>(t * 2 * 128).map_err(e)?;
+    mismatch(
+        moefuse::gpu::combine(&s0, t, 2, 128, &row_of, None, &y_e1, &mut y0, &mut errors),
+        "y [T*k, D]",
+    )
+}
+
 fn main() {
-    GpuSuite::new()
+    let suite = GpuSuite::new()
         .test("moe_layer_matches_reference", layer_cases)
         .test("moe_layer_graph_replay", graph_replay)
         .test("moe_layer_rejects_bad_input", rejects_bad_input)
-        .run()
+        .test(
+            "moe_layer_failed_forward_leaves_no_state",
+            failed_forward_leaves_no_state,
+        )
+        .test(
+            "moe_layer_stale_graph_state_is_flagged",
+            stale_graph_state_is_flagged,
+        );
+    // NOTES: the suite ignores tests only when there is no GPU at all; a test that needs a
+    // second one is added only where there is one, else named as skipped (never passed).
+    let gpus = match moefuse_testkit::gpu() {
+        // No GPU at all: the suite reports the test as skipped with its reason.
+        Err(_) => None,
+        Ok(_) => Some(CudaContext::device_count().unwrap_or(0)),
+    };
+    if gpus.is_none_or(|n| n >= 2) {
+        suite
+            .test("moe_layer_rejects_foreign_device", rejects_foreign_device)
+            .run()
+    } else {
+        let found = gpus.unwrap_or(0);
+        println!("SKIPPED moe_layer_rejects_foreign_device: needs 2 GPUs, found {found}");
+        suite.run()
+    }
 }

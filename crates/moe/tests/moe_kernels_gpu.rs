@@ -6,7 +6,7 @@
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 use half::bf16;
-use moefuse::gpu::{self, ActivationDesc, Rows};
+use moefuse::gpu::{self, ActivationDesc, DeviceErrors, PermuteBuffers, Rows};
 use moefuse::reference::{self, activation};
 use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{check_close, to_f32, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
@@ -18,6 +18,9 @@ const ROUTER_REL_ERR: f64 = 1e-5;
 const TAIL: usize = 13;
 /// The poison of int32 ids.
 const POISON_ID: i32 = -7;
+/// The poison of fp32 router outputs: not NaN, since NaN is a legitimate output for
+/// non-finite logits.
+const POISON_F32: f32 = -12345.5;
 
 fn err<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> String + '_ {
     move |e| format!("{what}: {e}")
@@ -27,6 +30,12 @@ fn err<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> String + '_ {
 fn close(got: f64, want: f64, bound: f64) -> bool {
     use std::cmp::Ordering::{Equal, Less};
     matches!((got - want).abs().partial_cmp(&bound), Some(Less | Equal))
+}
+
+/// [`close`], or both NaN, or equal (infinities): what the reference's IEEE arithmetic
+/// gives for non-finite logits, the GPU must give too.
+fn same(got: f64, want: f64, bound: f64) -> bool {
+    (got.is_nan() && want.is_nan()) || got == want || close(got, want, bound)
 }
 
 fn shuffle(rng: &mut Rng, v: &mut [usize]) {
@@ -181,7 +190,6 @@ fn check_router(stream: &Arc<CudaStream>, case: &RouterCase, seed: u64) -> Resul
         "{} (T={t} E={e} k={k} {:?} seed={seed})",
         case.name, case.cfg.router
     );
-    let d = |x| format!("{what}: {x}");
     let mut rng = Rng::new(seed);
     let logits = if case.ties {
         tied_logits(&mut rng, t, e)
@@ -191,21 +199,47 @@ fn check_router(stream: &Arc<CudaStream>, case: &RouterCase, seed: u64) -> Resul
     let bias: Option<Vec<f32>> = case
         .bias
         .then(|| (0..e).map(|_| 0.05 * rng.uniform()).collect());
-    let want = reference::route(&case.cfg, &logits, bias.as_deref()).map_err(err(&what))?;
+    compare_router(
+        stream,
+        &case.cfg,
+        t,
+        &logits,
+        bias.as_deref(),
+        &what,
+        &mut rng,
+    )
+}
 
-    let logits_d = stream.clone_htod(&logits).map_err(err(&what))?;
-    let bias_d = match &bias {
-        Some(b) => Some(stream.clone_htod(b).map_err(err(&what))?),
+/// Routes `logits` on the GPU and compares with the reference: ids exactly (and distinct
+/// within each token), weights to 1e-5 (NaN where the reference's is NaN); then the
+/// backward on the reference's routing, d_logits likewise. Outputs start poisoned with
+/// spare tails that must keep their poison.
+fn compare_router(
+    stream: &Arc<CudaStream>,
+    cfg: &MoeConfig,
+    t: usize,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    what: &str,
+    rng: &mut Rng,
+) -> Result<(), String> {
+    let (e, k) = (cfg.experts, cfg.top_k);
+    let d = |x| format!("{what}: {x}");
+    let want = reference::route(cfg, logits, bias).map_err(err(what))?;
+
+    let logits_d = stream.clone_htod(logits).map_err(err(what))?;
+    let bias_d = match bias {
+        Some(b) => Some(stream.clone_htod(b).map_err(err(what))?),
         None => None,
     };
     let mut ids_d = stream
         .clone_htod(&vec![POISON_ID; t * k + TAIL])
-        .map_err(err(&what))?;
+        .map_err(err(what))?;
     let mut w_d = stream
-        .clone_htod(&vec![f32::NAN; t * k + TAIL])
-        .map_err(err(&what))?;
+        .clone_htod(&vec![POISON_F32; t * k + TAIL])
+        .map_err(err(what))?;
     gpu::route(
-        &case.cfg,
+        cfg,
         stream,
         t,
         &logits_d,
@@ -213,10 +247,10 @@ fn check_router(stream: &Arc<CudaStream>, case: &RouterCase, seed: u64) -> Resul
         &mut ids_d,
         &mut w_d,
     )
-    .map_err(err(&what))?;
-    let ids = stream.clone_dtoh(&ids_d).map_err(err(&what))?;
-    let w = stream.clone_dtoh(&w_d).map_err(err(&what))?;
-    if ids[t * k..].iter().any(|&v| v != POISON_ID) || w[t * k..].iter().any(|v| !v.is_nan()) {
+    .map_err(err(what))?;
+    let ids = stream.clone_dtoh(&ids_d).map_err(err(what))?;
+    let w = stream.clone_dtoh(&w_d).map_err(err(what))?;
+    if ids[t * k..].iter().any(|&v| v != POISON_ID) || w[t * k..].iter().any(|&v| v != POISON_F32) {
         return Err(d("the kernel wrote past tokens x top_k".into()));
     }
     for i in 0..t * k {
@@ -232,7 +266,7 @@ fn check_router(stream: &Arc<CudaStream>, case: &RouterCase, seed: u64) -> Resul
             )));
         }
         let (g, r) = (f64::from(w[i]), f64::from(want.topk_weights[i]));
-        if !close(g, r, ROUTER_REL_ERR * r.abs()) {
+        if !same(g, r, ROUTER_REL_ERR * r.abs()) {
             return Err(d(format!(
                 "topk_weights[token {}, slot {}] = {g:e}, reference {r:e}",
                 i / k,
@@ -241,24 +275,35 @@ fn check_router(stream: &Arc<CudaStream>, case: &RouterCase, seed: u64) -> Resul
         }
     }
 
+    for (tok, row) in ids[..t * k].chunks(k).enumerate() {
+        if (1..k).any(|j| row[..j].contains(&row[j])) {
+            return Err(d(format!(
+                "token {tok} routes to one expert twice: {row:?}"
+            )));
+        }
+    }
+
     // Backward on the reference's routing.
     let dw: Vec<f32> = (0..t * k).map(|_| rng.uniform()).collect();
-    let want_dl = reference::route_backward(&case.cfg, &logits, &want, &dw).map_err(err(&what))?;
-    let ids_ref = stream.clone_htod(&want.topk_ids).map_err(err(&what))?;
-    let dw_d = stream.clone_htod(&dw).map_err(err(&what))?;
+    let want_dl = reference::route_backward(cfg, logits, &want, &dw).map_err(err(what))?;
+    let ids_ref = stream.clone_htod(&want.topk_ids).map_err(err(what))?;
+    let dw_d = stream.clone_htod(&dw).map_err(err(what))?;
     let mut dl_d = stream
-        .clone_htod(&vec![f32::NAN; t * e + TAIL])
-        .map_err(err(&what))?;
-    gpu::route_backward(&case.cfg, stream, t, &logits_d, &ids_ref, &dw_d, &mut dl_d)
-        .map_err(err(&what))?;
-    let dl = stream.clone_dtoh(&dl_d).map_err(err(&what))?;
-    if dl[t * e..].iter().any(|v| !v.is_nan()) {
+        .clone_htod(&vec![POISON_F32; t * e + TAIL])
+        .map_err(err(what))?;
+    gpu::route_backward(cfg, stream, t, &logits_d, &ids_ref, &dw_d, &mut dl_d)
+        .map_err(err(what))?;
+    let dl = stream.clone_dtoh(&dl_d).map_err(err(what))?;
+    if dl[t * e..].iter().any(|&v| v != POISON_F32) {
         return Err(d("the backward wrote past tokens x experts".into()));
     }
-    let scale = want_dl.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+    let scale = want_dl
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0f64, |m, &v| m.max(f64::from(v).abs()));
     for i in 0..t * e {
         let (g, r) = (f64::from(dl[i]), f64::from(want_dl[i]));
-        if !close(g, r, ROUTER_REL_ERR * r.abs() + 1e-9 * scale) {
+        if !same(g, r, ROUTER_REL_ERR * r.abs() + 1e-9 * scale) {
             return Err(d(format!(
                 "d_logits[token {}, expert {}] = {g:e}, reference {r:e}",
                 i / e,
@@ -532,6 +577,293 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
         .map_err(|x| format!("zero rows must be Ok: {x}"))
 }
 
+/// NaN and ±inf logits: NaN ranks above every number (torch.topk), ties to the lower id.
+/// The GPU must pick the reference's experts (each once per token) and give NaN exactly
+/// where the reference does. Rows: finite, one NaN, more NaNs than slots, ±inf, half
+/// -inf, all NaN.
+fn router_non_finite(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.default_stream();
+    let mut rng = Rng::new(0x5EED_0BAD);
+    let cases = [
+        ("softmax", softmax(97, 64, 6, true), false),
+        ("softmax_odd", softmax(61, 257, 16, false), false),
+        ("sigmoid", grouped(61, 64, 6, 8, 3, 2.5, true), true),
+        ("sigmoid_v3", grouped(43, 256, 8, 8, 4, 1.0, false), true),
+    ];
+    for (name, (t, cfg), with_bias) in cases {
+        let (e, k) = (cfg.experts, cfg.top_k);
+        let mut logits = distinct_logits(&mut rng, t, e, 4.0);
+        for (tok, row) in logits.chunks_mut(e).enumerate() {
+            match tok % 6 {
+                0 => {}
+                1 => row[rng.below(e)] = f32::NAN,
+                2 => (0..k + 3).for_each(|_| row[rng.below(e)] = f32::NAN),
+                3 => {
+                    row[rng.below(e)] = f32::INFINITY;
+                    row[rng.below(e)] = f32::NEG_INFINITY;
+                }
+                4 => row.iter_mut().for_each(|v| {
+                    if rng.below(2) == 0 {
+                        *v = f32::NEG_INFINITY
+                    }
+                }),
+                _ => row.fill(f32::NAN),
+            }
+        }
+        let bias: Option<Vec<f32>> =
+            with_bias.then(|| (0..e).map(|_| 0.05 * rng.uniform()).collect());
+        let what = format!("non-finite {name} (T={t} E={e} k={k} {:?})", cfg.router);
+        compare_router(&stream, &cfg, t, &logits, bias.as_deref(), &what, &mut rng)?;
+        println!("{what}: ok");
+    }
+    Ok(())
+}
+
+/// Values exactly representable in bf16.
+fn bf_values(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| bf16::from_f32(rng.uniform()).to_f32())
+        .collect()
+}
+
+/// `row_of` lives on the device: combine and combine_backward must bound every entry by
+/// the rows of `y` (and `dy_perm`), skip the bad slots, raise the row bit, and never touch
+/// memory past the buffers. `y` and `dy_perm` are views of larger buffers whose spare
+/// rows hold poison, so a read or write one row past the end is seen, not just a fault.
+fn combine_bounds_row_of(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let s = ctx.default_stream();
+    let e = "combine bounds";
+    let (t, k, h) = (6usize, 3usize, 64usize);
+    let rows = t * k;
+    let guard = 4usize;
+    let mut rng = Rng::new(0xB0B);
+    // Slot j of token t: 0 valid (a distinct row), 1 the permutation's -1 or valid, 2 bad.
+    let mut free: Vec<usize> = (0..rows).collect();
+    shuffle(&mut rng, &mut free);
+    let bad = [
+        rows as i32,
+        1 << 20,
+        -5,
+        i32::MAX,
+        i32::MIN,
+        rows as i32 + 1,
+    ];
+    let row_of: Vec<i32> = (0..t * k)
+        .map(|i| match i % 3 {
+            1 if i % 2 == 0 => -1,
+            0 | 1 => free.pop().unwrap() as i32,
+            _ => bad[(i / 3) % bad.len()],
+        })
+        .collect();
+    let valid = |r: i32| (0..rows as i32).contains(&r);
+    let w = bf_values(&mut rng, t * k);
+    let y = bf_values(&mut rng, rows * h);
+    let dy = bf_values(&mut rng, t * h);
+    let to_bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+    let mut y_big = to_bf(&y);
+    y_big.extend(vec![POISON_BF16; guard * h]);
+    let y_d = s.clone_htod(&y_big).map_err(err(e))?;
+    let y_view = y_d.slice(..rows * h);
+    let row_d = s.clone_htod(&row_of).map_err(err(e))?;
+    let w_d = s.clone_htod(&w).map_err(err(e))?;
+    let mut out_d = s
+        .clone_htod(&vec![POISON_BF16; t * h + TAIL])
+        .map_err(err(e))?;
+    let mut errors = DeviceErrors::new(&s).map_err(err(e))?;
+    gpu::combine(
+        &s,
+        t,
+        k,
+        h,
+        &row_d,
+        Some(&w_d),
+        &y_view,
+        &mut out_d,
+        &mut errors,
+    )
+    .map_err(err(e))?;
+    let out = to_f32(&s.clone_dtoh(&out_d).map_err(err(e))?);
+    let mut want = vec![0f32; t * h];
+    for tok in 0..t {
+        for j in 0..k {
+            let r = row_of[tok * k + j];
+            if valid(r) {
+                for c in 0..h {
+                    want[tok * h + c] += w[tok * k + j] * y[r as usize * h + c];
+                }
+            }
+        }
+    }
+    let want: Vec<f32> = want.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+    check_close(
+        &out[..t * h],
+        &want,
+        BF16_REL_ERR,
+        "combine with bad row_of entries",
+    )?;
+    if out[t * h..]
+        .iter()
+        .any(|v| v.to_bits() != POISON_BF16.to_f32().to_bits())
+    {
+        return Err("combine wrote past out".into());
+    }
+    let expect_row_error = |got: Result<(), MoeError>, what: &str| match got {
+        Err(MoeError::InvalidDeviceRouting {
+            out_of_range: false,
+            duplicate: false,
+            row_out_of_range: true,
+            stale_forward: false,
+        }) => Ok(()),
+        other => Err(format!("{what}: expected the row error, got {other:?}")),
+    };
+    expect_row_error(errors.take(), "combine")?;
+    errors
+        .take()
+        .map_err(|x| format!("error word not cleared: {x}"))?;
+
+    // Backward: dy_perm rows of valid slots get w·dy[t], every other row keeps its poison.
+    let dy_d = s.clone_htod(&to_bf(&dy)).map_err(err(e))?;
+    let mut dyp_d = s
+        .clone_htod(&vec![POISON_BF16; (rows + guard) * h])
+        .map_err(err(e))?;
+    let mut dw_d = s.clone_htod(&vec![POISON_F32; t * k]).map_err(err(e))?;
+    {
+        let mut dyp_view = dyp_d.slice_mut(..rows * h);
+        gpu::combine_backward(
+            &s,
+            t,
+            k,
+            h,
+            &row_d,
+            &w_d,
+            &dy_d,
+            &y_view,
+            &mut dyp_view,
+            &mut dw_d,
+            &mut errors,
+        )
+        .map_err(err(e))?;
+    }
+    let dyp = s.clone_dtoh(&dyp_d).map_err(err(e))?;
+    let dw = s.clone_dtoh(&dw_d).map_err(err(e))?;
+    let mut touched = vec![false; rows + guard];
+    for tok in 0..t {
+        for j in 0..k {
+            let (i, r) = (tok * k + j, row_of[tok * k + j]);
+            if !valid(r) {
+                if dw[i] != 0.0 {
+                    return Err(format!(
+                        "d_weights[{tok}, {j}] (row_of {r}) = {}, want 0",
+                        dw[i]
+                    ));
+                }
+                continue;
+            }
+            let r = r as usize;
+            touched[r] = true;
+            let dot: f64 = (0..h)
+                .map(|c| f64::from(dy[tok * h + c]) * f64::from(y[r * h + c]))
+                .sum();
+            if !close(f64::from(dw[i]), dot, 1e-4 * (1.0 + dot.abs())) {
+                return Err(format!("d_weights[{tok}, {j}] = {}, want {dot}", dw[i]));
+            }
+            let got: Vec<f32> = dyp[r * h..(r + 1) * h].iter().map(|v| v.to_f32()).collect();
+            let want: Vec<f32> = (0..h).map(|c| w[i] * dy[tok * h + c]).collect();
+            check_close(&got, &want, BF16_REL_ERR, &format!("dy_perm row {r}"))?;
+        }
+    }
+    for (r, &hit) in touched.iter().enumerate() {
+        if !hit
+            && dyp[r * h..(r + 1) * h]
+                .iter()
+                .any(|v| v.to_bits() != POISON_BF16.to_bits())
+        {
+            return Err(format!(
+                "combine_backward wrote dy_perm row {r}, which no valid slot names (rows {rows})"
+            ));
+        }
+    }
+    expect_row_error(errors.take(), "combine_backward")
+}
+
+/// The permutation against the reference, its device-side id check, and the per-call
+/// checks of its buffers.
+fn permute_checks(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let s = ctx.default_stream();
+    let e = "permute";
+    let (t, ex, k, h) = (300usize, 16usize, 4usize, 64usize);
+    let mut rng = Rng::new(0xFACE);
+    let ids: Vec<i32> = (0..t).flat_map(|_| rng.distinct(ex, k)).collect();
+    let want = reference::permutation(&ids, k, ex).map_err(err(e))?;
+    let ids_d = s.clone_htod(&ids).map_err(err(e))?;
+    let mut bufs = PermuteBuffers::new(&s, t + 5, ex, k).map_err(err(e))?;
+    gpu::permute::<cudarc::driver::CudaSlice<bf16>>(&s, t, ex, k, h, &ids_d, None, &mut bufs, None)
+        .map_err(err(e))?;
+    let got_off = s.clone_dtoh(bufs.offsets()).map_err(err(e))?;
+    let got_row = s.clone_dtoh(bufs.row_of()).map_err(err(e))?;
+    let got_src = s.clone_dtoh(bufs.source_of()).map_err(err(e))?;
+    if got_off != want.offsets
+        || got_row[..t * k] != want.row_of[..]
+        || got_src[..t * k] != want.source_of[..]
+    {
+        return Err("permutation differs from the reference".into());
+    }
+    bufs.errors_mut().take().map_err(err(e))?;
+    // An id outside 0..E on the device: dropped (row -1) and flagged, nothing else touched.
+    let mut bad = ids.clone();
+    bad[7] = ex as i32;
+    bad[8] = -3;
+    let bad_d = s.clone_htod(&bad).map_err(err(e))?;
+    gpu::permute::<cudarc::driver::CudaSlice<bf16>>(&s, t, ex, k, h, &bad_d, None, &mut bufs, None)
+        .map_err(err(e))?;
+    let got_row = s.clone_dtoh(bufs.row_of()).map_err(err(e))?;
+    if got_row[7] != -1 || got_row[8] != -1 {
+        return Err(format!(
+            "bad ids kept rows {} and {}",
+            got_row[7], got_row[8]
+        ));
+    }
+    match bufs.errors_mut().take() {
+        Err(MoeError::InvalidDeviceRouting {
+            out_of_range: true, ..
+        }) => {}
+        other => return Err(format!("ids outside 0..E not flagged: {other:?}")),
+    }
+    match gpu::permute::<cudarc::driver::CudaSlice<bf16>>(
+        &s,
+        t + 6,
+        ex,
+        k,
+        h,
+        &ids_d,
+        None,
+        &mut bufs,
+        None,
+    ) {
+        Err(MoeError::TooLarge { what: "tokens", .. }) => {}
+        other => return Err(format!("tokens past max_tokens: {other:?}")),
+    }
+    match gpu::permute::<cudarc::driver::CudaSlice<bf16>>(
+        &s,
+        t,
+        ex,
+        k + 1,
+        h,
+        &ids_d,
+        None,
+        &mut bufs,
+        None,
+    ) {
+        Err(MoeError::ShapeMismatch { .. }) => {}
+        other => return Err(format!("another top_k than the buffers': {other:?}")),
+    }
+    match PermuteBuffers::new(&s, usize::MAX / 2, ex, k) {
+        Err(MoeError::TooLarge { .. }) => Ok(()),
+        Err(other) => Err(format!("max_tokens·k overflow: {other:?}")),
+        Ok(_) => Err("max_tokens·k overflow accepted".into()),
+    }
+}
+
 fn main() {
     GpuSuite::new()
         .test("router_softmax_top_k_matches_reference", |ctx| {
@@ -553,6 +885,15 @@ fn main() {
         .test(
             "moe_kernels_reject_bad_input_before_launch",
             rejects_bad_input,
+        )
+        .test(
+            "router_non_finite_logits_match_reference",
+            router_non_finite,
+        )
+        .test("combine_bounds_device_row_of", combine_bounds_row_of)
+        .test(
+            "permute_matches_reference_and_checks_buffers",
+            permute_checks,
         )
         .run();
 }

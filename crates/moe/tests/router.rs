@@ -225,10 +225,6 @@ fn routing_inputs_are_checked() {
         route(&cfg.with_router(RouterKind::External), &[0.0; 4], None),
         Err(MoeError::ExternalRouter)
     );
-    assert!(matches!(
-        route(&cfg, &[0.0, 1.0, f32::NAN, 0.0], None),
-        Err(MoeError::NonFinite { what: "logits", index: 2, value }) if value.is_nan()
-    ));
     let g = grouped_cfg(4, 2, 2, 1, 1.0, true);
     assert_eq!(
         route(&g, &[0.0; 4], Some(&[0.0; 3])),
@@ -256,4 +252,74 @@ fn routing_inputs_are_checked() {
         route_backward(&cfg, &[0.0; 4], &dup, &[1.0, 1.0]),
         Err(MoeError::DuplicateExpert { .. })
     ));
+}
+
+/// NaN ranks above every number (torch.topk), ties (NaN with NaN) to the lower id, and
+/// its token's softmax weights are NaN; `+inf` ranks below NaN, above every number.
+#[test]
+fn nan_and_infinite_logits_are_routed_like_torch_topk() {
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    let cfg = softmax_cfg(6, 4, true);
+    let r = route(&cfg, &[1.0, nan, 3.0, nan, inf, -inf], None).unwrap();
+    assert_eq!(r.topk_ids, vec![1, 3, 4, 2]);
+    assert!(r.topk_weights.iter().all(|w| w.is_nan()));
+    // Only +inf: it ranks first; exp(inf - inf) is NaN, so the weights are NaN too.
+    let r = route(&cfg, &[1.0, 2.0, inf, 0.0, inf, 5.0], None).unwrap();
+    assert_eq!(r.topk_ids, vec![2, 4, 5, 1]);
+    assert!(r.topk_weights.iter().all(|w| w.is_nan()));
+    // -inf: ranks last, ties to the lower id, weight exactly 0; the others stay finite.
+    let cfg2 = softmax_cfg(4, 3, false);
+    let r = route(&cfg2, &[-inf, 0.0, -inf, 0.0], None).unwrap();
+    assert_eq!(r.topk_ids, vec![1, 3, 0]);
+    assert_eq!(r.topk_weights, vec![0.5, 0.5, 0.0]);
+    // More NaNs than slots: the lowest ids among them, each expert once.
+    let r = route(&softmax_cfg(5, 2, false), &[nan, 9.0, nan, nan, 9.0], None).unwrap();
+    assert_eq!(r.topk_ids, vec![0, 2]);
+    // Every logit NaN, and every logit -inf: still k distinct experts, lowest ids first.
+    let r = route(&softmax_cfg(4, 3, true), &[nan; 4], None).unwrap();
+    assert_eq!(r.topk_ids, vec![0, 1, 2]);
+    let r = route(&softmax_cfg(4, 3, true), &[-inf; 4], None).unwrap();
+    assert_eq!(r.topk_ids, vec![0, 1, 2]);
+    assert!(r.topk_weights.iter().all(|w| w.is_nan()));
+}
+
+/// The grouped sigmoid router orders groups and experts by the same total order: a NaN
+/// score makes its group's score NaN, which ranks first.
+#[test]
+fn nan_logits_in_the_grouped_router_pick_their_group_first() {
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    // 8 experts in 4 groups of 2, keep 2 groups, top-2.
+    let g = grouped_cfg(8, 2, 4, 2, 1.0, false);
+    let logits = [0.0, 0.1, 5.0, 4.0, 0.2, nan, -inf, 1.0];
+    let r = route(&g, &logits, None).unwrap();
+    // Group 2 (NaN) and group 1 (sigmoid(5) + sigmoid(4)) are kept; NaN first.
+    assert_eq!(r.topk_ids, vec![5, 2]);
+    assert!(r.topk_weights[0].is_nan());
+    let want = 1.0 / (1.0 + (-5f64).exp());
+    assert!((f64::from(r.topk_weights[1]) - want).abs() < 1e-7);
+    // +inf saturates the sigmoid to 1 (finite weight); -inf to 0.
+    let r = route(&g, &[inf, 0.0, -inf, -inf, 0.0, 0.0, 0.0, 0.0], None).unwrap();
+    assert_eq!(r.topk_ids, vec![0, 1]);
+    assert_eq!(r.topk_weights, vec![1.0, 0.5]);
+    // Renormalised weights of a token with a NaN are NaN, the ids distinct.
+    let gr = grouped_cfg(8, 4, 4, 2, 2.5, true);
+    let r = route(&gr, &[nan, nan, 1.0, 2.0, 3.0, 4.0, nan, 0.0], None).unwrap();
+    assert_eq!(r.topk_ids, vec![0, 1, 6, 7]);
+    assert!(r.topk_weights.iter().all(|w| w.is_nan()));
+}
+
+/// The backward takes the same non-finite logits the forward routes, and its NaN
+/// propagates by IEEE rules: a softmax token with a NaN has NaN gradients everywhere.
+#[test]
+fn route_backward_accepts_non_finite_logits() {
+    let cfg = softmax_cfg(4, 2, true);
+    let logits = [0.0, f32::NAN, 1.0, 2.0];
+    let r = route(&cfg, &logits, None).unwrap();
+    let d = route_backward(&cfg, &logits, &r, &[1.0, -1.0]).unwrap();
+    assert!(d.iter().all(|v| v.is_nan()));
+    let logits = [f32::NEG_INFINITY, 0.0, 1.0, 2.0];
+    let r = route(&cfg, &logits, None).unwrap();
+    let d = route_backward(&cfg, &logits, &r, &[1.0, -1.0]).unwrap();
+    assert!(d.iter().all(|v| v.is_finite()), "{d:?}");
+    assert_eq!(d[0], 0.0);
 }

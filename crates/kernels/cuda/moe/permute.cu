@@ -8,6 +8,12 @@
 //   moefuse_moe_combine    warp per token: fp32 weighted slot sum -> bf16
 //   moefuse_moe_combine_bwd  warp per token: dy_perm rows and d_weights dot products
 //
+// Untrusted device data: expert ids (permute) and row_of (combine, combine_bwd) are
+// checked against the buffers' extents before any address is formed from them; a bad slot
+// is skipped and raises a MOEFUSE_MOE_ERROR_* bit in the error word, never an access
+// outside the buffers. combine and combine_bwd also compare the permutation's tokens stamp
+// (flags[1]) with their own token count when given one.
+//
 // NOTES: stability comes from the count pass walking each warp's 32 tokens in order (a
 // token names each expert once, so in-expert order is token order); the same algorithm as
 // the expert-parallel count kernel (kernels/comm/ep.cu) without destination ranks.
@@ -21,10 +27,15 @@
 static_assert(sizeof(moefuse_permute_args) == 88 && offsetof(moefuse_permute_args, topk_ids) == 16 &&
                   offsetof(moefuse_permute_args, flags) == 80,
               "moefuse_permute_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
-static_assert(sizeof(moefuse_combine_args) == 48 && offsetof(moefuse_combine_args, out) == 40,
-              "moefuse_combine_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
-static_assert(sizeof(moefuse_combine_bwd_args) == 64 && offsetof(moefuse_combine_bwd_args, d_weights) == 56,
-              "moefuse_combine_bwd_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
+static_assert(sizeof(moefuse_combine_args) == 64 && offsetof(moefuse_combine_args, rows) == 12 &&
+                  offsetof(moefuse_combine_args, out) == 40 && offsetof(moefuse_combine_args, errors) == 48 &&
+                  offsetof(moefuse_combine_args, expect_tokens) == 56,
+              "moefuse_combine_args layout changed: update ffi.rs (MoefuseCombineArgs) and its layout test");
+static_assert(sizeof(moefuse_combine_bwd_args) == 80 && offsetof(moefuse_combine_bwd_args, rows) == 12 &&
+                  offsetof(moefuse_combine_bwd_args, d_weights) == 56 &&
+                  offsetof(moefuse_combine_bwd_args, errors) == 64 &&
+                  offsetof(moefuse_combine_bwd_args, expect_tokens) == 72,
+              "moefuse_combine_bwd_args layout changed: update ffi.rs (MoefuseCombineBwdArgs) and its layout test");
 
 namespace moefuse::moe {
 namespace {
@@ -40,6 +51,20 @@ static_assert(kChunk == kWarps * 32, "count: 32 tokens per warp");
 
 __device__ __forceinline__ void raise(uint32_t* flags, uint32_t bit) {
   if (flags) atomicOr(flags, bit);
+}
+
+// An untrusted row_of entry: itself when inside 0..rows-1, else -1 (the slot is skipped);
+// anything but the permutation's own -1 (a dropped slot, flagged by permute) raises
+// MOEFUSE_MOE_ERROR_ROW.
+__device__ __forceinline__ int checked_row(int row, int rows, uint32_t* errors) {
+  if (row >= 0 && row < rows) return row;
+  if (row != -1) raise(errors, MOEFUSE_MOE_ERROR_ROW);
+  return -1;
+}
+
+// The permutation's tokens stamp disagrees with this call's token count.
+__device__ __forceinline__ bool stale(const int32_t* expect_tokens, int tokens) {
+  return expect_tokens && *expect_tokens != tokens;
 }
 
 // ---- count ------------------------------------------------------------------------------
@@ -60,11 +85,11 @@ __global__ void __launch_bounds__(kThreads) permute_count(moefuse_permute_args p
     if (lane < k) {
       const int e = ids[i * k + lane];
       const bool ok = e >= 0 && e < E;
-      if (!ok) raise(p.flags, 1u);
+      if (!ok) raise(p.flags, MOEFUSE_MOE_ERROR_EXPERT_ID);
       // row_of holds the in-chunk rank for now; place() adds the bases.
       p.row_of[size_t(t0 + i) * k + lane] = ok ? atomicAdd(&h[e], 1) : -1;
       const unsigned same = __match_any_sync(slots, e);
-      if (ok && __popc(same) > 1) raise(p.flags, 2u);
+      if (ok && __popc(same) > 1) raise(p.flags, MOEFUSE_MOE_ERROR_DUPLICATE);
     }
     __syncwarp();
   }
@@ -92,6 +117,8 @@ __global__ void __launch_bounds__(1024) permute_scan(moefuse_permute_args p) {
   __shared__ int total[kMaxExperts];
   const int E = p.experts;
   const int chunks = (p.tokens + kChunk - 1) / kChunk;
+  // The stamp combine/combine_bwd compare (expect_tokens): which token count row_of is for.
+  if (threadIdx.x == 0 && p.flags) p.flags[1] = uint32_t(p.tokens);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int run = 0;
     for (int c = 0; c < chunks; ++c) {
@@ -141,7 +168,13 @@ __global__ void __launch_bounds__(kThreads) combine(moefuse_combine_args p) {
   const int k = p.top_k, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int t = blockIdx.x * kWarps + warp;
   if (t >= p.tokens) return;
-  int row = lane < k ? p.row_of[size_t(t) * k + lane] : -1;
+  if (stale(p.expect_tokens, p.tokens)) {
+    if (lane == 0) raise(p.errors, MOEFUSE_MOE_ERROR_STALE);
+    uint4* out = reinterpret_cast<uint4*>(p.out + size_t(t) * p.hidden);
+    for (int c = lane; c < p.hidden / 8; c += 32) out[c] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int row = lane < k ? checked_row(p.row_of[size_t(t) * k + lane], p.rows, p.errors) : -1;
   const unsigned valid = __ballot_sync(~0u, row >= 0);
   if (row >= 0) {
     const int at = __popc(valid & ((1u << lane) - 1));
@@ -159,10 +192,15 @@ __global__ void __launch_bounds__(kThreads) combine_bwd(moefuse_combine_bwd_args
   const int t = blockIdx.x * kWarps + warp;
   if (t >= p.tokens) return;
   const int n = p.hidden / 8;
+  // A stale stamp skips every slot (row_of is not read); NOTES: folded into the loop, as an
+  // early return made ptxas spill on sm_100a.
+  const bool is_stale = stale(p.expect_tokens, p.tokens);
   const uint4* dy = reinterpret_cast<const uint4*>(p.dy + size_t(t) * p.hidden);
+  bool bad = false;  // some entry outside -1..rows-1 (the same in every lane)
   for (int j = 0; j < k; ++j) {
-    const int row = p.row_of[size_t(t) * k + j];
-    if (row < 0) {
+    const int row = is_stale ? -1 : p.row_of[size_t(t) * k + j];
+    if (uint32_t(row) >= uint32_t(p.rows)) {  // negative or past the buffers: skipped
+      bad |= row != -1;
       if (lane == 0) p.d_weights[size_t(t) * k + j] = 0.f;
       continue;
     }
@@ -178,6 +216,9 @@ __global__ void __launch_bounds__(kThreads) combine_bwd(moefuse_combine_bwd_args
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(~0u, dot, o);
     if (lane == 0) p.d_weights[size_t(t) * k + j] = dot;
+  }
+  if (lane == 0 && (bad || is_stale)) {
+    raise(p.errors, (bad ? MOEFUSE_MOE_ERROR_ROW : 0u) | (is_stale ? MOEFUSE_MOE_ERROR_STALE : 0u));
   }
 }
 
@@ -225,12 +266,14 @@ extern "C" moefuse_status moefuse_moe_permute(const moefuse_permute_args* a, voi
 extern "C" moefuse_status moefuse_moe_combine(const moefuse_combine_args* a, void* stream) {
   const char* name = "moefuse_moe_combine";
   if (!a) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null arguments", name);
-  if (a->tokens < 0 || a->top_k < 1 || a->top_k > kMaxTopK || a->hidden < 8 || a->hidden % 8 != 0) {
-    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d, top_k %d, hidden %d out of range", name, a->tokens,
-                a->top_k, a->hidden);
+  if (a->tokens < 0 || a->top_k < 1 || a->top_k > kMaxTopK || a->hidden < 8 || a->hidden % 8 != 0 || a->rows < 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d, top_k %d, hidden %d, rows %d out of range", name,
+                a->tokens, a->top_k, a->hidden, a->rows);
   }
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
-  if (!a->row_of || !a->y || !a->out) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
+  if (!a->row_of || !a->out || (a->rows > 0 && !a->y)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
+  }
   if ((reinterpret_cast<uintptr_t>(a->y) | reinterpret_cast<uintptr_t>(a->out)) % 16 != 0) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: y and out must be 16-byte aligned", name);
   }
@@ -241,12 +284,12 @@ extern "C" moefuse_status moefuse_moe_combine(const moefuse_combine_args* a, voi
 extern "C" moefuse_status moefuse_moe_combine_bwd(const moefuse_combine_bwd_args* a, void* stream) {
   const char* name = "moefuse_moe_combine_bwd";
   if (!a) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null arguments", name);
-  if (a->tokens < 0 || a->top_k < 1 || a->top_k > kMaxTopK || a->hidden < 8 || a->hidden % 8 != 0) {
-    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d, top_k %d, hidden %d out of range", name, a->tokens,
-                a->top_k, a->hidden);
+  if (a->tokens < 0 || a->top_k < 1 || a->top_k > kMaxTopK || a->hidden < 8 || a->hidden % 8 != 0 || a->rows < 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d, top_k %d, hidden %d, rows %d out of range", name,
+                a->tokens, a->top_k, a->hidden, a->rows);
   }
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
-  if (!a->row_of || !a->weights || !a->dy || !a->y || !a->dy_perm || !a->d_weights) {
+  if (!a->row_of || !a->weights || !a->dy || !a->d_weights || (a->rows > 0 && (!a->y || !a->dy_perm))) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
   }
   if ((reinterpret_cast<uintptr_t>(a->dy) | reinterpret_cast<uintptr_t>(a->y) |

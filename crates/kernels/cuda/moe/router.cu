@@ -8,6 +8,12 @@
 //       |                                       | bitmask in a register (bit c: expert
 //       |                                       | lane + 32c), its slot's id in lane s
 //
+// NaN and infinities: selection uses one strict total order on (score, id), torch.topk's:
+// NaN ranks above every number (+inf included), equal scores (NaN with NaN, +0 with -0)
+// go to the lower id. Every lane and every reduction order picks the same experts, so a
+// token never gets an expert twice or loses a slot. Weights follow IEEE arithmetic
+// (a NaN or +inf logit makes the token's softmax weights NaN), exactly as the reference.
+//
 // NOTES: per-lane state never lives in an indexed array (the build fails on local memory):
 // a lane's experts are lane + 32c, read from shared memory in fully unrolled loops, and
 // "taken" is one bit per c in a register.
@@ -42,10 +48,14 @@ __device__ __forceinline__ double sigmoid(double x) {
   return e / (1.0 + e);
 }
 
-// (va, ia) ranks before (vb, ib): higher score, ties to the lower id; id -1 is "none".
+// (va, ia) ranks before (vb, ib): NaN above every number, then the higher score, ties
+// (equal scores, or both NaN) to the lower id; id -1 is "none". A strict total order, so
+// the warp's butterfly reduction agrees in every lane.
 __device__ __forceinline__ bool beats(double va, int ia, double vb, int ib) {
   if (ia < 0) return false;
   if (ib < 0) return true;
+  const bool na = isnan(va), nb = isnan(vb);
+  if (na || nb) return na && (!nb || ia < ib);
   return va > vb || (va == vb && ia < ib);
 }
 
@@ -59,7 +69,7 @@ __device__ __forceinline__ int warp_argmax(const double* v, int n, uint32_t take
     int j = lane + kWarp * c;
     if (j < n && !((taken >> c) & 1u)) {
       double x = v[j];
-      if (id < 0 || x > best) {  // ascending j: strict > keeps the lower id
+      if (beats(x, j, best, id)) {  // ascending j: a tie keeps the lower id
         best = x;
         id = j;
       }
@@ -89,17 +99,21 @@ __device__ uint32_t exclude_groups(RouterSmem& s, int experts, int n_group, int 
                                    int lane) {
   const int per_group = experts / n_group;
   for (int g = lane; g < n_group; g += kWarp) {
-    double top1 = -INFINITY, top2 = -INFINITY;
+    double top1 = 0.0, top2 = 0.0;
+    int i1 = -1, i2 = -1;
     for (int j = g * per_group; j < (g + 1) * per_group; ++j) {
       double x = s.score[j];
-      if (x > top1) {
+      if (beats(x, j, top1, i1)) {
         top2 = top1;
+        i2 = i1;
         top1 = x;
-      } else if (x > top2) {
+        i1 = j;
+      } else if (beats(x, j, top2, i2)) {
         top2 = x;
+        i2 = j;
       }
     }
-    s.group[g] = top1 + top2;
+    s.group[g] = top1 + top2;  // per_group >= 2: both set
   }
   if (lane < kMaxGroups / 32) s.kept[lane] = 0;
   __syncwarp();

@@ -20,11 +20,25 @@
 //!
 //! Nothing synchronises with the host: the whole forward and the whole backward can be
 //! captured in one CUDA graph each and replayed with new inputs and routing (the token
-//! count is fixed per capture). The router's gate matrix (`logits = x · Wrᵀ`) stays with the
+//! count is fixed per capture).
+//!
+//! State: a backward uses the state of the last forward that returned `Ok`; a forward that
+//! returns an error (whatever the stage) leaves none, and `backward` returns
+//! [`MoeError::NoForward`] until a forward succeeds. The host cannot see graph replays, so
+//! the device checks the rest: the permutation stamps its token count next to the error
+//! word, and the backward's combines compare it with their own; a backward whose `T`
+//! differs from the forward state on the device (e.g. a forward graph of one `T` replayed
+//! after an eager forward of another) zeroes `d_topk_weights` and `dx` and raises the stale
+//! bit that [`MoeLayer::take_routing_errors`] reports.
+//!
+//! Devices: every buffer a call takes (x, y, logits, routing, dy, dx, the gradients, and the
+//! weights given to [`MoeLayer::with_device_weights`]) must live in the layer's stream's
+//! context, else [`MoeError::DeviceMismatch`] before anything is launched. The router's gate matrix (`logits = x · Wrᵀ`) stays with the
 //! caller: the layer takes logits and returns `d_logits`.
 
+use super::permute::{combine_backward_impl, combine_impl};
 use super::{
-    activation_backward, activation_forward, check_len, combine, combine_backward, permute, route,
+    activation_backward, activation_forward, check_buffer, check_device, check_len, permute, route,
     route_backward, ActivationDesc, PermuteBuffers, Rows,
 };
 use crate::{reference::MoeWeights, MoeConfig, MoeError, RouterKind};
@@ -190,10 +204,15 @@ impl MoeLayer {
                 })
             }
         };
+        // validate(): E <= 512, W <= 2^21, D, I <= 2^20, max_tokens·k <= 2^20, so none of
+        // these products overflows.
         shape("gate_up [E, W, D]", e * w * d, gate_up.len())?;
         shape("down [E, D, I]", e * d * i, down.len())?;
+        check_device("gate_up [E, W, D]", &gate_up, stream)?;
+        check_device("down [E, D, I]", &down, stream)?;
         if let Some(b) = &bias {
             shape("router bias [E]", e, b.len())?;
+            check_device("router bias [E]", b, stream)?;
         }
         let rows = max_tokens * k;
         let ctx: Arc<CudaContext> = stream.context().clone();
@@ -338,26 +357,19 @@ impl MoeLayer {
         (&self.saved.ids, &self.saved.weights)
     }
 
-    /// Reports (and clears) what the permutation flagged in device-side routing since the
-    /// last call: ids outside `0..E` (those slots were dropped) or a token naming one
-    /// expert twice. Synchronises the stream.
+    /// Reports (and clears) what the kernels flagged in device-side state since the last
+    /// call, as [`MoeError::InvalidDeviceRouting`]: ids outside `0..E` (those slots were
+    /// dropped), a token naming one expert twice, or a backward run against forward state
+    /// of another token count (`stale_forward`: its `dx` and `d_topk_weights` were
+    /// zeroed). Synchronises the stream; call it after a forward, a backward or a replayed
+    /// graph whenever routing comes from the device or graphs of several `T` are mixed.
     pub fn take_routing_errors(&mut self) -> Result<(), MoeError> {
-        let flags = self.stream.clone_dtoh(&self.saved.perm.flags)?;
-        self.stream
-            .memcpy_htod(&[0u32], &mut self.saved.perm.flags)?;
-        let bits = flags.first().copied().unwrap_or(0);
-        if bits != 0 {
-            return Err(MoeError::InvalidDeviceRouting {
-                out_of_range: bits & 1 != 0,
-                duplicate: bits & 2 != 0,
-            });
-        }
-        Ok(())
+        self.saved.perm.errors_mut().take()
     }
 
     /// Per-expert prefix-sum offsets of the last forward.
     pub fn offsets(&self) -> &CudaSlice<i32> {
-        &self.saved.perm.offsets
+        self.saved.perm.offsets()
     }
 
     /// `y [T, D] = MoE(x [T, D])` (bf16), routed per `routing`. Keeps what the backward needs.
@@ -372,6 +384,8 @@ impl MoeLayer {
         X: DevicePtr<bf16>,
         Y: DevicePtrMut<bf16>,
     {
+        // Whatever happens below, the state of an earlier forward is gone.
+        self.forwarded = false;
         let (d, e, k) = (self.cfg.hidden, self.cfg.experts, self.cfg.top_k);
         self.cfg.check_tokens(tokens)?;
         if tokens > self.max_tokens {
@@ -380,9 +394,33 @@ impl MoeLayer {
                 max: self.max_tokens,
             });
         }
-        check_len("x [T, D]", x.len(), tokens * d)?;
-        check_len("y [T, D]", y.len(), tokens * d)?;
         let s = self.stream.clone();
+        // tokens <= 65536, k <= 16, D, E bounded by validate(): no product overflows.
+        check_buffer("x [T, D]", x, tokens * d, &s)?;
+        check_buffer("y [T, D]", y, tokens * d, &s)?;
+        match &routing {
+            Routing::Logits(logits) => {
+                if matches!(self.cfg.router, RouterKind::External) {
+                    return Err(MoeError::ExternalRouter);
+                }
+                check_buffer("logits [T, E]", *logits, tokens * e, &s)?;
+            }
+            Routing::Host {
+                topk_ids,
+                topk_weights,
+            } => {
+                check_len("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
+                check_len("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
+                crate::reference::router::check_routing(&topk_ids[..tokens * k], k, e)?;
+            }
+            Routing::External {
+                topk_ids,
+                topk_weights,
+            } => {
+                check_buffer("topk_ids [T, k]", *topk_ids, tokens * k, &s)?;
+                check_buffer("topk_weights [T, k]", *topk_weights, tokens * k, &s)?;
+            }
+        }
         if let Some(ev) = self.profile.as_mut() {
             ev.clear();
         }
@@ -390,10 +428,6 @@ impl MoeLayer {
         let sv = &mut self.saved;
         match routing {
             Routing::Logits(logits) => {
-                if matches!(self.cfg.router, RouterKind::External) {
-                    return Err(MoeError::ExternalRouter);
-                }
-                check_len("logits [T, E]", logits.len(), tokens * e)?;
                 s.memcpy_dtod(
                     &logits.slice(..tokens * e),
                     &mut sv.logits.slice_mut(..tokens * e),
@@ -414,9 +448,6 @@ impl MoeLayer {
                 topk_ids,
                 topk_weights,
             } => {
-                check_len("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
-                check_len("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
-                crate::reference::router::check_routing(&topk_ids[..tokens * k], k, e)?;
                 s.memcpy_htod(&topk_ids[..tokens * k], &mut sv.ids.slice_mut(..tokens * k))?;
                 s.memcpy_htod(
                     &topk_weights[..tokens * k],
@@ -428,8 +459,6 @@ impl MoeLayer {
                 topk_ids,
                 topk_weights,
             } => {
-                check_len("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
-                check_len("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
                 s.memcpy_dtod(
                     &topk_ids.slice(..tokens * k),
                     &mut sv.ids.slice_mut(..tokens * k),
@@ -487,7 +516,7 @@ impl MoeLayer {
             ws,
         )?;
         Self::mark(&mut self.profile, &s, "down gemm")?;
-        combine(
+        combine_impl(
             &s,
             tokens,
             k,
@@ -496,6 +525,8 @@ impl MoeLayer {
             Some(&sv.weights),
             &sv.y_e,
             y,
+            &mut sv.perm.errors,
+            false,
         )?;
         Self::mark(&mut self.profile, &s, "combine")?;
         self.forwarded = true;
@@ -521,17 +552,28 @@ impl MoeLayer {
             return Err(MoeError::NoForward);
         }
         let (d, e, k) = (self.cfg.hidden, self.cfg.experts, self.cfg.top_k);
-        let sv = &self.saved;
-        let t = sv.tokens;
-        check_len("dy [T, D]", dy.len(), t * d)?;
-        check_len("dx [T, D]", dx.len(), t * d)?;
         let s = self.stream.clone();
+        let sv = &mut self.saved;
+        let t = sv.tokens;
+        check_buffer("dy [T, D]", dy, t * d, &s)?;
+        check_buffer("dx [T, D]", dx, t * d, &s)?;
+        check_buffer(
+            "d_gate_up [E, W, D]",
+            &grads.d_gate_up,
+            self.gate_up.len(),
+            &s,
+        )?;
+        check_buffer("d_down [E, D, I]", &grads.d_down, self.down.len(), &s)?;
+        check_buffer("d_topk_weights [T, k]", &grads.d_topk_weights, t * k, &s)?;
+        if sv.routed {
+            check_buffer("d_logits [T, E]", &grads.d_logits, t * e, &s)?;
+        }
         if let Some(ev) = self.profile.as_mut() {
             ev.clear();
         }
         Self::mark(&mut self.profile, &s, "start")?;
         let sc = &mut self.scratch;
-        combine_backward(
+        combine_backward_impl(
             &s,
             t,
             k,
@@ -542,6 +584,8 @@ impl MoeLayer {
             &sv.y_e,
             &mut sc.dy_perm,
             &mut grads.d_topk_weights,
+            &mut sv.perm.errors,
+            true,
         )?;
         Self::mark(&mut self.profile, &s, "combine bwd")?;
         let gemm = &self.gemm;
@@ -599,7 +643,18 @@ impl MoeLayer {
             ws,
         )?;
         Self::mark(&mut self.profile, &s, "gate_up wgrad")?;
-        combine(&s, t, k, d, &sv.perm.row_of, None, &sc.dx_perm, dx)?;
+        combine_impl(
+            &s,
+            t,
+            k,
+            d,
+            &sv.perm.row_of,
+            None,
+            &sc.dx_perm,
+            dx,
+            &mut sv.perm.errors,
+            true,
+        )?;
         Self::mark(&mut self.profile, &s, "dx combine")?;
         if sv.routed {
             route_backward(

@@ -15,9 +15,16 @@
 //! 4. [`MoeLayer`] is the whole layer, forward and backward, from these and the grouped
 //!    GEMMs of `moefuse-grouped-gemm`.
 //!
-//! Every call checks sizes, buffer lengths and devices before anything is launched and
-//! returns a [`MoeError`] naming what is wrong; outputs are caller-owned, so calls can be
-//! captured in CUDA graphs. The kernels are one fat object per file (SASS for each arch in
+//! Every call checks sizes, buffer lengths and devices (every buffer's context is the
+//! stream's) before anything is launched and returns a [`MoeError`] naming what is wrong;
+//! outputs are caller-owned, so calls can be captured in CUDA graphs.
+//!
+//! What lives on the device (expert ids, `row_of`) cannot be checked on the host without a
+//! synchronisation. The kernels bound every index they form from such data by the extent
+//! of the buffer it addresses, skip the offending slot, and set a bit in a
+//! [`DeviceErrors`] word; [`DeviceErrors::take`] (or [`MoeLayer::take_routing_errors`])
+//! turns the bits into [`MoeError::InvalidDeviceRouting`] at the caller's next check. No
+//! device data can make a kernel read or write outside its buffers. The kernels are one fat object per file (SASS for each arch in
 //! `MOEFUSE_CUDA_ARCHS`).
 //!
 //! ```no_run
@@ -33,11 +40,13 @@
 //! ```
 
 mod activation;
+mod errors;
 mod layer;
 mod permute;
 mod router;
 
 pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
+pub use errors::DeviceErrors;
 pub use layer::{Gradients, MoeLayer, Routing};
 pub use permute::{combine, combine_backward, permute, PermuteBuffers};
 pub use router::{route, route_backward};
@@ -45,7 +54,7 @@ pub use router::{route, route_backward};
 use crate::MoeError;
 use cudarc::driver::{CudaStream, DeviceSlice};
 
-/// `buffer` holds at least `needed` elements and lives on `stream`'s device.
+/// `buffer` holds at least `needed` elements and lives in `stream`'s context.
 pub(crate) fn check_buffer<T>(
     what: &'static str,
     buffer: &(impl DeviceSlice<T> + ?Sized),
@@ -59,27 +68,54 @@ pub(crate) fn check_buffer<T>(
             got: buffer.len(),
         });
     }
-    let (have, want) = (
-        buffer.stream().context().ordinal(),
-        stream.context().ordinal(),
-    );
-    if have != want {
+    check_device(what, buffer, stream)
+}
+
+/// `buffer` lives in `stream`'s context (its allocation's stream's context is the same
+/// CUDA context), else [`MoeError::DeviceMismatch`] with both device ordinals.
+pub(crate) fn check_device<T>(
+    what: &'static str,
+    buffer: &(impl DeviceSlice<T> + ?Sized),
+    stream: &CudaStream,
+) -> Result<(), MoeError> {
+    let (have, want) = (buffer.stream().context(), stream.context());
+    if have.cu_ctx() != want.cu_ctx() || have.ordinal() != want.ordinal() {
         return Err(MoeError::DeviceMismatch {
             what,
-            buffer: have,
-            stream: want,
+            buffer: have.ordinal(),
+            stream: want.ordinal(),
         });
     }
     Ok(())
 }
 
-/// A buffer known only by its length (a generic `DevicePtr`) holds `needed` elements, else
-/// [`MoeError::BufferTooSmall`].
+/// A host slice of `got` elements holds `needed`, else [`MoeError::BufferTooSmall`].
 pub(crate) fn check_len(what: &'static str, got: usize, needed: usize) -> Result<(), MoeError> {
     if got < needed {
         return Err(MoeError::BufferTooSmall { what, needed, got });
     }
     Ok(())
+}
+
+/// The product of `dims` (an element count), or [`MoeError::TooLarge`] naming `what` when
+/// it overflows `usize`.
+pub(crate) fn elems(what: &'static str, dims: &[usize]) -> Result<usize, MoeError> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or(MoeError::TooLarge {
+            what,
+            value: usize::MAX,
+            max: usize::MAX,
+        })
+}
+
+/// `value` as the kernels' `int32_t`, or [`MoeError::TooLarge`].
+pub(crate) fn to_i32(what: &'static str, value: usize) -> Result<i32, MoeError> {
+    i32::try_from(value).map_err(|_| MoeError::TooLarge {
+        what,
+        value,
+        max: i32::MAX as usize,
+    })
 }
 
 /// `value <= max`, else [`MoeError::TooLarge`].

@@ -2,6 +2,13 @@
 //! weights with respect to the logits ([`route_backward`]), and the routing checks.
 //!
 //! Scores and weights are computed in f64 from the f32 logits and rounded once to f32.
+//!
+//! Non-finite logits are routed, as torch.topk ranks them: the selection orders (score,
+//! id) pairs by one strict total order, NaN above every number (`+inf` included), equal
+//! scores (two NaNs, `+0` and `-0`) to the lower id ([`ranks_before`]). Weights follow
+//! IEEE arithmetic: a NaN or `+inf` logit makes its token's softmax weights NaN, a `-inf`
+//! logit has weight 0. The GPU router (`kernels/moe/router.cu`) implements the same order
+//! and the same formulas.
 
 use super::activation::sigmoid;
 use crate::{MoeConfig, MoeError, RouterKind};
@@ -108,8 +115,18 @@ pub fn router_logits(config: &MoeConfig, router: &[f32], x: &[f32]) -> Result<Ve
 
 /// Routes `T` tokens from their logits `[T, E]` by `config.router` (see [`RouterKind`]):
 /// ids and weights `[T, k]`, slots in descending selection score, ties to the lower id.
-/// `bias` (`[E]`) is the `SigmoidGrouped` selection bias (`None` = zeros); other routers
-/// take none. Logits (and bias) must be finite.
+/// `bias` (`[E]`) is the `SigmoidGrouped` selection bias (`None` = zeros, finite); other
+/// routers take none. Logits may be NaN or infinite (see the module docs: NaN ranks first,
+/// like torch.topk, and poisons its token's weights).
+///
+/// ```
+/// use moefuse::{reference::route, MoeConfig, RouterKind};
+/// let cfg = MoeConfig::new(64, 64, 4, 3).with_router(RouterKind::SoftmaxTopK { renormalize: false });
+/// let r = route(&cfg, &[f32::NEG_INFINITY, f32::NAN, 1.0, f32::INFINITY], None)?;
+/// assert_eq!(r.topk_ids, vec![1, 3, 2]); // NaN above +inf above every number
+/// assert!(r.topk_weights.iter().all(|w| w.is_nan()));
+/// # Ok::<(), moefuse::MoeError>(())
+/// ```
 ///
 /// ```
 /// use moefuse::{reference::route, MoeConfig, RouterKind};
@@ -262,7 +279,6 @@ fn check_route_inputs(
         }
         _ => {}
     }
-    check_finite("logits", logits)?;
     Ok(tokens)
 }
 
@@ -339,8 +355,27 @@ fn route_token(
     }
 }
 
-/// The `k` best of `candidates` (given in ascending id order) by `score`, best first,
-/// ties to the earlier (lower) candidate.
+/// Whether candidate `a` ranks before candidate `b` (`a != b`) by `score`: the routers'
+/// strict total order, torch.topk's. NaN ranks above every number, `+inf` included; among
+/// numbers the higher score first; equal scores (two NaNs, `+0` and `-0`) to the lower id.
+///
+/// ```
+/// use moefuse::reference::router::ranks_before;
+/// let s = [1.0, f64::NAN, f64::INFINITY, f64::NAN, 1.0];
+/// assert!(ranks_before(&s, 1, 2) && ranks_before(&s, 1, 3) && !ranks_before(&s, 3, 1));
+/// assert!(ranks_before(&s, 2, 0) && ranks_before(&s, 0, 4) && !ranks_before(&s, 4, 0));
+/// ```
+pub fn ranks_before(score: &[f64], a: usize, b: usize) -> bool {
+    let (x, y) = (score[a], score[b]);
+    match (x.is_nan(), y.is_nan()) {
+        (true, true) => a < b,
+        (true, false) => true,
+        (false, true) => false,
+        (false, false) => x > y || (x == y && a < b),
+    }
+}
+
+/// The `k` best of `candidates` by `score` in the [`ranks_before`] order, best first.
 fn top_k_desc(
     score: &[f64],
     candidates: impl Iterator<Item = usize>,
@@ -349,11 +384,13 @@ fn top_k_desc(
 ) {
     out.clear();
     for c in candidates {
-        let s = score[c];
-        if out.len() == k && s <= score[out[k - 1]] {
+        if out.len() == k && !ranks_before(score, c, out[k - 1]) {
             continue;
         }
-        let at = out.iter().position(|&o| score[o] < s).unwrap_or(out.len());
+        let at = out
+            .iter()
+            .position(|&o| ranks_before(score, c, o))
+            .unwrap_or(out.len());
         out.insert(at, c);
         out.truncate(k);
     }

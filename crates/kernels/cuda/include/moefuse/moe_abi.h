@@ -4,6 +4,9 @@
  * struct per launcher, `void* stream`). NOTES: a separate header because every CUTLASS
  * instance includes abi.h, so any edit there rebuilds all of them (~12 min on 2 cores);
  * additions here are new symbols, which the link checks, so they need no version bump.
+ * A layout change of a struct here is checked by the static_asserts in permute.cu and the
+ * layout tests in crates/kernels/src/ffi.rs, which are compiled from the same tree (the
+ * library is linked statically, so an old library cannot meet new bindings).
  */
 #ifndef MOEFUSE_MOE_ABI_H
 #define MOEFUSE_MOE_ABI_H
@@ -18,6 +21,15 @@ extern "C" {
  * Routed (token, slot) pairs are laid out expert-major: rows grouped by expert ascending,
  * stable in token order within an expert (a token names each expert at most once). */
 
+/* Device error word bits (flags[0] / errors[0]): what the kernels found wrong in
+ * device-resident inputs they cannot trust. They are set with atomicOr, never cleared by
+ * a kernel; the offending slot is skipped, so no kernel touches memory outside its
+ * buffers whatever the device data holds. */
+#define MOEFUSE_MOE_ERROR_EXPERT_ID 1u /* permute: an expert id outside 0..experts (slot dropped, row_of -1) */
+#define MOEFUSE_MOE_ERROR_DUPLICATE 2u /* permute: a token naming one expert twice */
+#define MOEFUSE_MOE_ERROR_ROW 4u       /* combine, combine_bwd: a row_of entry outside -1..rows-1 (slot skipped) */
+#define MOEFUSE_MOE_ERROR_STALE 8u     /* combine, combine_bwd: *expect_tokens != tokens (nothing read through row_of) */
+
 /* Tokens per block of the permutation's count pass; the workspace holds one int32 count
  * per (chunk, expert): moefuse_moe_permute_workspace(tokens, experts) bytes. */
 #define MOEFUSE_PERMUTE_CHUNK 256
@@ -27,10 +39,12 @@ extern "C" {
  * prefix-sum ends: the grouped GEMM's), row_of [tokens*top_k] (the expert-major row of
  * (t, j), -1 for an id outside 0..experts), source_of [tokens*top_k] (t*top_k + j of each
  * row; rows past offsets[experts-1] untouched), and, when x_perm is not NULL,
- * x_perm[row] = x[t] (bf16 rows of `hidden`, hidden % 8 == 0). flags (may be NULL) gets
- * bit 1 for an out-of-range id and bit 2 for a token naming one expert twice (both slots
- * kept, in unspecified order). 1 <= experts <= 512, 1 <= top_k <= 16; tokens == 0 writes
- * zero counts and offsets.
+ * x_perm[row] = x[t] (bf16 rows of `hidden`, hidden % 8 == 0). flags (may be NULL) is
+ * the device error word pair (see MOEFUSE_MOE_ERROR_*): flags[0] gets
+ * MOEFUSE_MOE_ERROR_EXPERT_ID for an out-of-range id and MOEFUSE_MOE_ERROR_DUPLICATE for a
+ * token naming one expert twice (both slots kept, in unspecified order); flags[1] is set
+ * to `tokens`, the stamp combine and combine_bwd compare through `expect_tokens`.
+ * 1 <= experts <= 512, 1 <= top_k <= 16; tokens == 0 writes zero counts and offsets.
  */
 typedef struct moefuse_permute_args {
   int32_t tokens;
@@ -45,7 +59,7 @@ typedef struct moefuse_permute_args {
   int32_t* source_of;
   uint16_t* x_perm;        /* [tokens*top_k, hidden] bf16, or NULL */
   int32_t* workspace;      /* moefuse_moe_permute_workspace(tokens, experts) bytes */
-  uint32_t* flags;         /* [1], or NULL */
+  uint32_t* flags;         /* [2] (error bits, tokens stamp), or NULL */
 } moefuse_permute_args;
 
 /* Bytes of workspace moefuse_moe_permute needs. */
@@ -54,35 +68,48 @@ size_t moefuse_moe_permute_workspace(int32_t tokens, int32_t experts);
 /*
  * Combine: out[t] = sum over slots j (in order) of w[t, j] * y[row_of[t*top_k + j]],
  * accumulated in fp32, written as bf16; weights NULL means 1 (the unweighted sum the
- * backward uses for dx). Slots with row_of < 0 are skipped. hidden % 8 == 0.
+ * backward uses for dx). hidden % 8 == 0.
+ * row_of lives on the device and is not trusted: a slot with row_of == -1 is skipped (the
+ * permutation's dropped slot); any other entry outside 0..rows-1 is skipped too and raises
+ * MOEFUSE_MOE_ERROR_ROW in errors[0]. When expect_tokens is not NULL and
+ * *expect_tokens != tokens (the permutation that wrote row_of had another token count),
+ * every out row is written as zeros, row_of is not read, and MOEFUSE_MOE_ERROR_STALE is
+ * raised. errors may be NULL (violations are then skipped silently).
  */
 typedef struct moefuse_combine_args {
   int32_t tokens;
   int32_t top_k;
   int32_t hidden;
-  int32_t _pad;
-  const int32_t* row_of;  /* [tokens*top_k] */
-  const float* weights;   /* [tokens, top_k] or NULL */
-  const uint16_t* y;      /* [rows, hidden] bf16 */
-  uint16_t* out;          /* [tokens, hidden] bf16 */
+  int32_t rows;                  /* rows y holds, >= 0 */
+  const int32_t* row_of;         /* [tokens*top_k] */
+  const float* weights;          /* [tokens, top_k] or NULL */
+  const uint16_t* y;             /* [rows, hidden] bf16 */
+  uint16_t* out;                 /* [tokens, hidden] bf16 */
+  uint32_t* errors;              /* [1]: error bits, or NULL */
+  const int32_t* expect_tokens;  /* [1]: the permutation's tokens stamp, or NULL */
 } moefuse_combine_args;
 
 /*
- * Combine backward: for every (t, j) with row = row_of[t*top_k + j] >= 0,
+ * Combine backward: for every (t, j) with row = row_of[t*top_k + j] in 0..rows-1,
  * dy_perm[row] = w[t, j] * dy[t] (bf16) and d_weights[t, j] = <dy[t], y[row]> (fp32, fp32
- * accumulation); d_weights is 0 for skipped slots. hidden % 8 == 0.
+ * accumulation); d_weights is 0 for skipped slots. hidden % 8 == 0. Untrusted row_of and
+ * expect_tokens as for combine: an entry outside -1..rows-1 is skipped and raises
+ * MOEFUSE_MOE_ERROR_ROW; a stale stamp writes d_weights as zeros, touches no dy_perm row
+ * and raises MOEFUSE_MOE_ERROR_STALE.
  */
 typedef struct moefuse_combine_bwd_args {
   int32_t tokens;
   int32_t top_k;
   int32_t hidden;
-  int32_t _pad;
+  int32_t rows;                  /* rows y and dy_perm both hold, >= 0 */
   const int32_t* row_of;
-  const float* weights;   /* [tokens, top_k] */
-  const uint16_t* dy;     /* [tokens, hidden] bf16 */
-  const uint16_t* y;      /* [rows, hidden] bf16: the forward's unweighted expert outputs */
-  uint16_t* dy_perm;      /* [rows, hidden] bf16 */
-  float* d_weights;       /* [tokens, top_k] */
+  const float* weights;          /* [tokens, top_k] */
+  const uint16_t* dy;            /* [tokens, hidden] bf16 */
+  const uint16_t* y;             /* [rows, hidden] bf16: the forward's unweighted expert outputs */
+  uint16_t* dy_perm;             /* [rows, hidden] bf16 */
+  float* d_weights;              /* [tokens, top_k] */
+  uint32_t* errors;              /* [1]: error bits, or NULL */
+  const int32_t* expect_tokens;  /* [1]: the permutation's tokens stamp, or NULL */
 } moefuse_combine_bwd_args;
 
 moefuse_status moefuse_moe_permute(const moefuse_permute_args* args, void* stream);
