@@ -1,6 +1,8 @@
 //! Shared plumbing of the benchmark programs: the JSON-lines record of DEVELOPERS.md,
 //! interleaved CUDA-event timing of several backends, and input-set rotation beyond L2.
 
+#![forbid(unsafe_code)]
+
 pub mod cases;
 
 use cudarc::driver::{CudaContext, CudaStream};

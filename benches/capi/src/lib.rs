@@ -13,32 +13,37 @@
 //! (`dW_e [N, K] = dY_eᵀ · X_e`) — the layouts of `bench_grouped`'s cases. Plans are kept
 //! per problem, so a timed loop pays one hash lookup per call.
 //!
+//! The two entry points that take foreign device addresses or a C buffer (`_run`,
+//! `_last_error`) live in `moefuse_kernels::bridge` (feature `c-bridge`) and are re-exported
+//! here, so this crate handles no raw pointer itself: a plan registers its variant and shape
+//! there, and the run launches through the kernel layer's checked raw entry.
+//!
 //! ```no_run
 //! // From Rust (the script does the same through ctypes): plan, then read the variant.
 //! let bytes = moefuse_bench_capi::moefuse_capi_grouped_plan(0, 8, 1024, 256, 256);
 //! assert!(bytes >= 0);
 //! ```
 
+// NOTES: `deny`, not `forbid`: rustc counts `#[no_mangle]` as unsafe code (a symbol can
+// override another library's), and the plan entry needs it; it is the crate's one
+// exception, on a function of integers only. Everything that touches a raw pointer lives in
+// `moefuse_kernels::bridge`.
+#![deny(unsafe_code)]
+
 use cudarc::driver::CudaContext;
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
+use moefuse_kernels::bridge::{register_grouped, remember, GroupedKey as Key};
 use std::collections::HashMap;
-use std::ffi::{c_char, c_void};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
-type Key = (i32, usize, usize, usize, usize);
+pub use moefuse_kernels::bridge::{moefuse_capi_grouped_run, moefuse_capi_last_error};
 
 struct Bridge {
-    ctx: Arc<CudaContext>,
     gemm: GroupedGemm,
     plans: HashMap<Key, GroupedPlan>,
 }
 
 static BRIDGE: Mutex<Option<Bridge>> = Mutex::new(None);
-static LAST: Mutex<String> = Mutex::new(String::new());
-
-fn remember(message: String) {
-    *LAST.lock().unwrap_or_else(|e| e.into_inner()) = message;
-}
 
 /// The grouped problem of one benchmark pass (0 fwd, 1 dgrad, 2 wgrad) on weights
 /// `[E, N, K]`, with the rows-per-group hint of balanced routing: the one mapping both
@@ -79,7 +84,6 @@ fn with_plan<T>(
         let ctx = CudaContext::new(0).map_err(|e| e.to_string())?;
         let gemm = GroupedGemm::new(&ctx).map_err(|e| e.to_string())?;
         *guard = Some(Bridge {
-            ctx,
             gemm,
             plans: HashMap::new(),
         });
@@ -87,6 +91,12 @@ fn with_plan<T>(
     let bridge = guard.as_mut().expect("set above");
     if !bridge.plans.contains_key(&key) {
         let plan = bridge.gemm.plan(&problem).map_err(|e| e.to_string())?;
+        register_grouped(
+            key,
+            bridge.gemm.kernels(),
+            plan.compiled_variant(),
+            plan.shape(),
+        );
         bridge.plans.insert(key, plan);
     }
     let plan = &bridge.plans[&key];
@@ -123,6 +133,7 @@ fn key(pass: i32, groups: i64, rows: i64, n: i64, k: i64) -> Result<Key, String>
 /// ```no_run
 /// let bytes = moefuse_bench_capi::moefuse_capi_grouped_plan(0, 128, 65536, 1536, 2048);
 /// ```
+#[allow(unsafe_code)] // `#[no_mangle]` only: see the crate's NOTES.
 #[no_mangle]
 pub extern "C" fn moefuse_capi_grouped_plan(
     pass: i32,
@@ -149,97 +160,6 @@ pub extern "C" fn moefuse_capi_grouped_plan(
     }
 }
 
-/// Launches the planned problem on device addresses owned by the caller; 0 or -1.
-///
-/// # Safety
-/// `offsets` must address `groups` int32 prefix-sum ends, and `a`, `b`, `d` device memory of
-/// device 0's primary context with the extents of the pass (as `bench_grouped`'s cases:
-/// forward A `[rows, k]`, W `[groups, n, k]`, D `[rows, n]`; dgrad A `[rows, n]`, W
-/// `[groups, n, k]`, D `[rows, k]`; wgrad A `[rows, n]`, B `[rows, k]`, D `[groups, n, k]`),
-/// valid until the launch has finished on `stream`, a live stream of that context;
-/// `workspace` at least the planned bytes, 256-byte aligned.
-///
-/// ```no_run
-/// // SAFETY: illustration only; the script passes torch tensors' data_ptr()s.
-/// let rc = unsafe { moefuse_bench_capi::moefuse_capi_grouped_run(0, 8, 1024, 256, 256, 0, 0, 0, 0, 0, 0, 0) };
-/// ```
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn moefuse_capi_grouped_run(
-    pass: i32,
-    groups: i64,
-    rows: i64,
-    n: i64,
-    k: i64,
-    offsets: u64,
-    a: u64,
-    b: u64,
-    d: u64,
-    workspace: u64,
-    workspace_bytes: u64,
-    stream: u64,
-) -> i32 {
-    let out = guarded(|| key(pass, groups, rows, n, k)).and_then(|key| guarded(|| {
-        with_plan(key, |bridge, plan| {
-            if (workspace_bytes as usize) < plan.workspace_bytes() || workspace % 256 != 0 {
-                return Err(format!(
-                    "workspace {workspace:#x} of {workspace_bytes} bytes: needs {} bytes, 256-aligned",
-                    plan.workspace_bytes()
-                ));
-            }
-            if [offsets, a, b, d].contains(&0) {
-                return Err("null device address".into());
-            }
-            bridge.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-            let args = plan.abi_args(offsets, a, b, d);
-            // SAFETY: the addresses, extents, workspace and stream are this function's
-            // contract with its caller; the context is bound to this thread above.
-            unsafe {
-                moefuse_kernels::launch_grouped(
-                    plan.compiled_variant(),
-                    &args,
-                    workspace as *mut c_void,
-                    workspace_bytes as usize,
-                    stream as *mut c_void,
-                )
-            }
-            .map_err(|e| e.to_string())
-        })
-    }));
-    match out {
-        Ok(()) => 0,
-        Err(m) => {
-            remember(m);
-            -1
-        }
-    }
-}
-
-/// Copies the last message (NUL-terminated, truncated to `len`) into `buf`; returns its
-/// full length.
-///
-/// # Safety
-/// `buf` must be writable for `len` bytes (or null with `len` 0).
-///
-/// ```no_run
-/// let mut buf = [0u8; 256];
-/// // SAFETY: buf holds 256 bytes.
-/// let n = unsafe { moefuse_bench_capi::moefuse_capi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-/// ```
-#[no_mangle]
-pub unsafe extern "C" fn moefuse_capi_last_error(buf: *mut c_char, len: usize) -> usize {
-    let m = LAST.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    if !buf.is_null() && len > 0 {
-        let n = m.len().min(len - 1);
-        // SAFETY: buf is writable for len > n bytes (the caller's contract).
-        unsafe {
-            std::ptr::copy_nonoverlapping(m.as_ptr(), buf.cast::<u8>(), n);
-            *buf.add(n) = 0;
-        }
-    }
-    m.len()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,11 +169,7 @@ mod tests {
         assert!(grouped_desc(3, 1, 1, 8, 8).is_err());
         assert!(key(0, -1, 1, 8, 8).is_err());
         assert_eq!(moefuse_capi_grouped_plan(7, 1, 1, 8, 8), -1);
-        let mut buf = [0u8; 64];
-        // SAFETY: buf holds 64 bytes.
-        let n = unsafe { moefuse_capi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-        let text = std::str::from_utf8(&buf[..n.min(63)]).unwrap();
+        let text = moefuse_kernels::bridge::last_message();
         assert!(text.starts_with("pass 7: 0 fwd"), "{text}");
-        assert_eq!(n, text.len());
     }
 }

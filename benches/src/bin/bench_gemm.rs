@@ -6,6 +6,8 @@
 //! through enough sets to exceed 3× L2. Appends to `DIR/gemm.jsonl` (and, with
 //! `--all-variants`, every compiled variant of the case to `DIR/gemm_variants.jsonl`).
 
+#![forbid(unsafe_code)]
+
 use clap::Parser;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};

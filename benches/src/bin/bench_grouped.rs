@@ -6,6 +6,8 @@
 //! timing (poisoned output; 32 sampled rows, or 4 experts × 8 rows for wgrad, against the f64
 //! CPU reference). Appends to `DIR/grouped_gemm.jsonl`.
 
+#![forbid(unsafe_code)]
+
 use clap::Parser;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};

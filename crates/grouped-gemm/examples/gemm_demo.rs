@@ -6,6 +6,8 @@
 //! events, 5 warm-ups, 30 samples, median [IQR]) and prints TFLOP/s. Without a GPU: says
 //! why, and runs the CPU reference on a small problem instead. Exit code 0 in both cases.
 
+#![forbid(unsafe_code)]
+
 use cudarc::cublas::CudaBlas;
 use half::bf16;
 use moefuse_grouped_gemm::{reference, Gemm, GemmDesc};

@@ -44,16 +44,6 @@ pub enum GemmError {
         /// The required multiple.
         required: usize,
     },
-    /// A device pointer is not 16-byte aligned (a view that starts mid-row).
-    #[error("operand {operand:?}: device address {address:#x} is not {required}-byte aligned")]
-    MisalignedPointer {
-        /// Operand.
-        operand: Operand,
-        /// The address.
-        address: u64,
-        /// Required alignment in bytes.
-        required: u64,
-    },
     /// A buffer holds fewer elements than the problem reads or writes.
     #[error("operand {operand:?}: buffer has {got} elements, the problem needs {needed}")]
     BufferTooSmall {
@@ -76,22 +66,6 @@ pub enum GemmError {
         /// Capacity of the row-indexed buffers.
         rows: usize,
     },
-    /// The device's architecture has no kernels in moefuse at all.
-    #[error("unsupported GPU: compute capability {major}.{minor}; moefuse has kernels for 9.0 (sm_90a) and 10.0 (sm_100a)")]
-    UnsupportedArch {
-        /// Found major.
-        major: i32,
-        /// Found minor.
-        minor: i32,
-    },
-    /// The device's architecture is supported but was not compiled into this build.
-    #[error("this GPU needs {arch} kernels, but this build compiled [{built}]: rebuild with MOEFUSE_CUDA_ARCHS including {arch}")]
-    ArchNotBuilt {
-        /// Needed target.
-        arch: &'static str,
-        /// Targets compiled.
-        built: String,
-    },
     /// No compiled variant implements the request (e.g. an override names an unknown one).
     #[error("no compiled variant for {what}")]
     NoVariant {
@@ -110,7 +84,8 @@ pub enum GemmError {
     /// The plan belongs to another device or layout than the call.
     #[error("plan mismatch: {0}")]
     PlanMismatch(&'static str),
-    /// The kernel library refused or failed the launch.
+    /// The kernel layer refused the launch on the host (architecture, device, size, limit,
+    /// alignment: see [`KernelError`]) or the library failed it.
     #[error(transparent)]
     Kernel(#[from] KernelError),
     /// A CUDA driver call failed.

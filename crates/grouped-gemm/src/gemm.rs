@@ -4,7 +4,7 @@ use crate::heuristics::{self, ArchSpec, Device, Problem};
 use crate::{GemmError, Operand};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse_kernels::{ffi, CompiledVariant, Op};
+use moefuse_kernels::{CompiledVariant, GemmShape, Kernels, Op};
 use std::sync::Arc;
 
 /// How B is stored.
@@ -117,6 +117,7 @@ pub struct Gemm {
     ctx: Arc<CudaContext>,
     spec: Box<dyn ArchSpec + Send + Sync>,
     device: Device,
+    kernels: Kernels,
 }
 
 /// A validated problem with its chosen variant.
@@ -146,14 +147,16 @@ impl GemmPlan {
 }
 
 impl Gemm {
-    /// Binds to `ctx`'s device; fails with [`GemmError::UnsupportedArch`] or
-    /// [`GemmError::ArchNotBuilt`] when no compiled kernel can run there.
+    /// Binds to `ctx`'s device; fails with [`GemmError::Kernel`] holding
+    /// `KernelError::UnsupportedArch` or `KernelError::ArchNotBuilt` when no compiled
+    /// kernel can run there.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, GemmError> {
-        let (spec, device) = heuristics::for_device(ctx)?;
+        let (spec, device, kernels) = heuristics::for_device(ctx)?;
         Ok(Gemm {
             ctx: ctx.clone(),
             spec,
             device,
+            kernels,
         })
     }
 
@@ -177,9 +180,7 @@ impl Gemm {
             k: desc.k,
         };
         let variant = heuristics::choose(self.spec.as_ref(), &problem, self.device, variant)?;
-        self.ctx.bind_to_thread()?;
-        let probe = raw_args(desc, [0; 4]);
-        let workspace_bytes = moefuse_kernels::gemm_workspace_bytes(variant, &probe)?;
+        let workspace_bytes = self.kernels.gemm_workspace(variant, &shape(desc))?;
         Ok(GemmPlan {
             desc: *desc,
             variant,
@@ -216,49 +217,16 @@ impl Gemm {
         check_len(Operand::D, desc.m * desc.n, d.len())?;
         let ws_len = workspace.as_ref().map_or(0, |w| w.len());
         check_len(Operand::Workspace, plan.workspace_bytes, ws_len)?;
-        if desc.m == 0 {
-            return Ok(());
-        }
-        self.ctx.bind_to_thread()?;
-        let (a_ptr, _a_sync) = a.device_ptr(stream);
-        let (b_ptr, _b_sync) = b.device_ptr(stream);
-        let (d_ptr, _d_sync) = d.device_ptr_mut(stream);
-        let (ws_ptr, _ws_sync) = match workspace {
-            Some(w) => {
-                let (p, s) = w.device_ptr_mut(stream);
-                (p, Some(s))
-            }
-            None => (0, None),
+        let op = moefuse_kernels::Gemm {
+            variant: plan.variant,
+            shape: shape(desc),
+            a,
+            b,
+            c: None,
+            d,
+            workspace: workspace.map(|w| w as &mut dyn DevicePtrMut<u8>),
         };
-        for (operand, ptr) in [
-            (Operand::A, a_ptr),
-            (Operand::B, b_ptr),
-            (Operand::D, d_ptr),
-        ] {
-            if ptr % 16 != 0 {
-                return Err(GemmError::MisalignedPointer {
-                    operand,
-                    address: ptr,
-                    required: 16,
-                });
-            }
-        }
-        let args = raw_args(desc, [a_ptr, b_ptr, d_ptr, d_ptr]);
-        // SAFETY: a, b and d are device buffers of this context whose lengths were checked
-        // against the extents in `args` above (packed: lda = k, ldb per layout, ldd = n);
-        // C aliases D, which the kernel reads before it writes each tile. The workspace
-        // holds at least `plan.workspace_bytes` (checked). The guards from device_ptr keep
-        // the buffers' stream ordering until after the launch is enqueued, and the context
-        // was bound to this thread above.
-        unsafe {
-            moefuse_kernels::launch_gemm(
-                plan.variant,
-                &args,
-                ws_ptr as *mut std::ffi::c_void,
-                ws_len,
-                stream.cu_stream() as *mut std::ffi::c_void,
-            )?;
-        }
+        self.kernels.launch(stream, op)?;
         Ok(())
     }
 }
@@ -274,30 +242,12 @@ fn check_len(operand: Operand, needed: usize, got: usize) -> Result<(), GemmErro
     Ok(())
 }
 
-/// The ABI struct for a packed problem; `ptrs` = [a, b, c, d].
-fn raw_args(desc: &GemmDesc, ptrs: [u64; 4]) -> ffi::MoefuseGemmArgs {
-    let (b_layout, ldb) = match desc.b_layout {
-        BLayout::Nk => (ffi::MOEFUSE_B_LAYOUT_NK, desc.k),
-        BLayout::Kn => (ffi::MOEFUSE_B_LAYOUT_KN, desc.n),
-    };
-    let [a, b, c, d] = ptrs.map(|p| p as *mut std::ffi::c_void);
-    ffi::MoefuseGemmArgs {
-        m: desc.m as i32,
-        n: desc.n as i32,
-        k: desc.k as i32,
-        b_layout,
-        a,
-        b,
-        c: if desc.beta == 0.0 {
-            std::ptr::null()
-        } else {
-            c
-        },
-        d,
-        lda: desc.k as i64,
-        ldb: ldb as i64,
-        ldc: desc.n as i64,
-        ldd: desc.n as i64,
+/// The launch layer's shape of a packed problem (B's layout comes with the variant; C is D).
+fn shape(desc: &GemmDesc) -> GemmShape {
+    GemmShape {
+        m: desc.m,
+        n: desc.n,
+        k: desc.k,
         alpha: desc.alpha,
         beta: desc.beta,
     }
@@ -344,15 +294,12 @@ mod tests {
     }
 
     #[test]
-    fn raw_args_are_packed_and_skip_c_without_beta() {
+    fn shape_carries_the_scalars() {
         let desc = GemmDesc {
-            b_layout: BLayout::Kn,
+            beta: 1.0,
             ..GemmDesc::new(3, 16, 8)
         };
-        let args = raw_args(&desc, [16, 32, 48, 48]);
-        assert_eq!((args.lda, args.ldb, args.ldd), (8, 16, 16));
-        assert!(args.c.is_null());
-        let acc = GemmDesc { beta: 1.0, ..desc };
-        assert_eq!(raw_args(&acc, [16, 32, 48, 48]).c as u64, 48);
+        let s = shape(&desc);
+        assert_eq!((s.m, s.n, s.k, s.beta), (3, 16, 8, 1.0));
     }
 }

@@ -6,7 +6,7 @@ use crate::heuristics::{self, ArchSpec, Device, Problem};
 use crate::{BLayout, GemmError, Operand};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse_kernels::{ffi, CompiledVariant, Op};
+use moefuse_kernels::{CompiledVariant, GroupedShape, Kernels, Op};
 use std::sync::Arc;
 
 /// Which grouped product (the group-layout enum shared with the kernels' `GroupedKind`).
@@ -233,6 +233,24 @@ impl GroupedDesc {
         Ok(())
     }
 
+    /// The launch layer's shape (the kind and B's layout come with the variant).
+    ///
+    /// ```
+    /// use moefuse_grouped_gemm::{BLayout, GroupedDesc};
+    /// assert_eq!(GroupedDesc::wgrad(4, 64, 8, 16).shape().k, 16);
+    /// ```
+    pub fn shape(&self) -> GroupedShape {
+        GroupedShape {
+            groups: self.groups,
+            rows: self.rows,
+            n: self.n,
+            k: self.k,
+            tile_order: self.tile_order.encode().unwrap_or(0),
+            alpha: self.alpha,
+            beta: self.beta,
+        }
+    }
+
     fn problem(&self) -> Problem {
         let per_group = self
             .rows_per_group_hint
@@ -287,6 +305,7 @@ pub struct GroupedGemm {
     ctx: Arc<CudaContext>,
     spec: Box<dyn ArchSpec + Send + Sync>,
     device: Device,
+    kernels: Kernels,
 }
 
 /// A validated grouped problem with its chosen variant and workspace size.
@@ -309,26 +328,21 @@ impl GroupedPlan {
         self.variant.name()
     }
 
-    /// The compiled variant the plan launches (for callers that launch through
-    /// `moefuse_kernels::launch_grouped` themselves).
+    /// The compiled variant the plan launches.
     pub fn compiled_variant(&self) -> &'static CompiledVariant {
         self.variant
     }
 
-    /// The C ABI arguments of this plan for the given device addresses, for callers whose
-    /// buffers live outside cudarc (the Python benchmark bridge): building them is safe,
-    /// launching them (`moefuse_kernels::launch_grouped`) is `unsafe`.
+    /// The launch layer's shape of this plan (sizes, scalars and the encoded tile order),
+    /// for callers that launch through `moefuse_kernels` themselves (the Python bridge).
     ///
-    /// ```no_run
-    /// # use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm};
-    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
-    /// let plan = GroupedGemm::new(&ctx)?.plan(&GroupedDesc::forward(8, 1024, 256, 256, BLayout::Nk))?;
-    /// let args = plan.abi_args(0x1000, 0x2000, 0x3000, 0x4000);
-    /// assert_eq!(args.num_groups, 8);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn abi_args(&self, offsets: u64, a: u64, b: u64, d: u64) -> ffi::MoefuseGroupedGemmArgs {
-        raw_args(&self.desc, offsets, [a, b, d])
+    /// use moefuse_grouped_gemm::{BLayout, GroupedDesc};
+    /// let s = GroupedDesc::forward(8, 1024, 256, 512, BLayout::Nk).shape();
+    /// assert_eq!((s.groups, s.rows, s.n, s.k), (8, 1024, 256, 512));
+    /// ```
+    pub fn shape(&self) -> GroupedShape {
+        self.desc.shape()
     }
 
     /// Device workspace `run` needs: CUTLASS's tensor-map slots plus the per-group
@@ -341,12 +355,18 @@ impl GroupedPlan {
 impl GroupedGemm {
     /// Binds to `ctx`'s device (see [`crate::Gemm::new`] for the arch checks).
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, GemmError> {
-        let (spec, device) = heuristics::for_device(ctx)?;
+        let (spec, device, kernels) = heuristics::for_device(ctx)?;
         Ok(GroupedGemm {
             ctx: ctx.clone(),
             spec,
             device,
+            kernels,
         })
+    }
+
+    /// The kernel handle the runs launch through.
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
     }
 
     /// Validates `desc` and picks a variant (host only, no allocation, no launch).
@@ -374,9 +394,9 @@ impl GroupedGemm {
                 max: 8,
             });
         }
-        self.ctx.bind_to_thread()?;
-        let workspace_bytes =
-            moefuse_kernels::grouped_workspace_bytes(variant, &raw_args(desc, 0, [0; 3]))?;
+        // The launch layer's host `can_implement` (limits, int32 row arithmetic, tile
+        // order) runs here too, so a plan that exists can launch.
+        let workspace_bytes = self.kernels.grouped_workspace(variant, &desc.shape())?;
         Ok(GroupedPlan {
             desc: *desc,
             variant,
@@ -435,46 +455,16 @@ impl GroupedGemm {
                 got: workspace.len(),
             });
         }
-        if desc.groups == 0 {
-            return Ok(());
-        }
-        self.ctx.bind_to_thread()?;
-        let (o_ptr, _o_sync) = offsets.device_ptr(stream);
-        let (a_ptr, _a_sync) = a.device_ptr(stream);
-        let (b_ptr, _b_sync) = b.device_ptr(stream);
-        let (d_ptr, _d_sync) = d.device_ptr_mut(stream);
-        let ws_len = workspace.len();
-        let (ws_ptr, _ws_sync) = workspace.device_ptr_mut(stream);
-        for (operand, ptr, align) in [
-            (Operand::Offsets, o_ptr, 4),
-            (Operand::A, a_ptr, 16),
-            (Operand::B, b_ptr, 16),
-            (Operand::D, d_ptr, 16),
-            (Operand::Workspace, ws_ptr, 256),
-        ] {
-            if ptr % align != 0 {
-                return Err(GemmError::MisalignedPointer {
-                    operand,
-                    address: ptr,
-                    required: align,
-                });
-            }
-        }
-        let args = raw_args(desc, o_ptr, [a_ptr, b_ptr, d_ptr]);
-        // SAFETY: offsets holds >= groups int32 and a, b, d the extents `desc.extents()`
-        // names (checked above), all device memory of this context; the kernels clamp every
-        // group to `rows`, so offsets' values cannot lead outside the buffers. The workspace
-        // holds the queried bytes and is 256-byte aligned (checked). The device_ptr guards
-        // order the buffers on `stream` until the launch is enqueued; the context is bound.
-        unsafe {
-            moefuse_kernels::launch_grouped(
-                plan.variant,
-                &args,
-                ws_ptr as *mut std::ffi::c_void,
-                ws_len,
-                stream.cu_stream() as *mut std::ffi::c_void,
-            )?;
-        }
+        let op = moefuse_kernels::GroupedGemm {
+            variant: plan.variant,
+            shape: desc.shape(),
+            offsets,
+            a,
+            b,
+            d,
+            workspace,
+        };
+        self.kernels.launch(stream, op)?;
         Ok(())
     }
 }
@@ -529,28 +519,6 @@ pub fn validate_offsets(ends: &[i32], rows: usize) -> Result<(), GemmError> {
         prev = end;
     }
     Ok(())
-}
-
-fn raw_args(desc: &GroupedDesc, offsets: u64, ptrs: [u64; 3]) -> ffi::MoefuseGroupedGemmArgs {
-    let b_layout = match desc.op {
-        GroupedOp::MGrouped(BLayout::Kn) => ffi::MOEFUSE_B_LAYOUT_KN,
-        _ => ffi::MOEFUSE_B_LAYOUT_NK,
-    };
-    let [a, b, d] = ptrs.map(|p| p as *mut std::ffi::c_void);
-    ffi::MoefuseGroupedGemmArgs {
-        num_groups: desc.groups as i32,
-        total_rows: desc.rows as i32,
-        n: desc.n as i32,
-        k: desc.k as i32,
-        b_layout,
-        tile_order: desc.tile_order.encode().unwrap_or(0),
-        offsets: offsets as *const i32,
-        a,
-        b,
-        d,
-        alpha: desc.alpha,
-        beta: desc.beta,
-    }
 }
 
 #[cfg(test)]

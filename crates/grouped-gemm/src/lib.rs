@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 //! Safe bf16 GEMMs for Mixture-of-Experts layers on Hopper (sm_90a) and Blackwell
 //! (sm_100a), on cudarc streams and device buffers. Usable on its own.
 //!

@@ -5,6 +5,8 @@
 //! group's rows, and cluster partners walk the same group and n-block, in both walks
 //! (group-major, and its front and back interleaved).
 
+#![forbid(unsafe_code)]
+
 use moefuse_testkit::Rng;
 
 struct Table {

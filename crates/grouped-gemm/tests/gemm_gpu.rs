@@ -1,11 +1,14 @@
 //! GPU tests of the dense GEMM against the CPU reference (run on the H200 through
 //! `cargo xtask device-pack`; reported as ignored, with a SKIPPED line, without a GPU).
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{reference, BLayout, Gemm, GemmDesc, GemmError, Operand};
+use moefuse_kernels::{GemmShape, KernelError, Kernels};
 use moefuse_testkit::{check_close, to_f32, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
@@ -184,13 +187,14 @@ fn main() {
             }
             let offset = full.slice(1..);
             match gemm.run(&plan, &stream, &offset, &full, &mut d, None) {
-                Err(GemmError::MisalignedPointer {
-                    operand: Operand::A,
+                Err(GemmError::Kernel(KernelError::Misaligned {
+                    operand: "a",
+                    required: 16,
                     ..
-                }) => {}
+                })) => {}
                 other => {
                     return Err(format!(
-                        "misaligned A: expected MisalignedPointer, got {other:?}"
+                        "misaligned A: expected Kernel(Misaligned), got {other:?}"
                     ))
                 }
             }
@@ -201,60 +205,61 @@ fn main() {
                 )),
             }
         })
-        .test("kernel_of_another_arch_reports_arch_mismatch", |ctx| {
+        .test("kernel_of_another_arch_is_refused_before_launch", |ctx| {
             let (major, _) = ctx.compute_capability().map_err(|e| e.to_string())?;
             let foreign = if major == 9 { "sm100a" } else { "sm90a" };
             let Some(v) = moefuse_kernels::compiled()
                 .iter()
-                .find(|v| v.name().starts_with(foreign))
+                .find(|v| v.name().starts_with(foreign) && !v.spec.op.is_grouped())
             else {
                 return Err(format!(
                     "no {foreign} variant compiled: build with MOEFUSE_CUDA_ARCHS=90a,100a"
                 ));
             };
-            let args = moefuse_kernels::ffi::MoefuseGemmArgs {
-                m: 64,
-                n: 64,
-                k: 64,
-                b_layout: 0,
-                a: 16 as *const _,
-                b: 16 as *const _,
-                c: std::ptr::null(),
-                d: 16 as *mut _,
-                lda: 64,
-                ldb: 64,
-                ldc: 64,
-                ldd: 64,
-                alpha: 1.0,
-                beta: 0.0,
-            };
-            ctx.bind_to_thread().map_err(|e| e.to_string())?;
+            let kernels = Kernels::new(ctx).map_err(|e| e.to_string())?;
             let stream = ctx.default_stream();
-            // SAFETY: the launcher checks the device's capability before touching any
-            // pointer, and returns ARCH_MISMATCH on this GPU; nothing is launched.
-            let r = unsafe {
-                moefuse_kernels::launch_gemm(
-                    v,
-                    &args,
-                    std::ptr::null_mut(),
-                    0,
-                    stream.cu_stream() as *mut _,
-                )
+            let e = |x: cudarc::driver::DriverError| x.to_string();
+            let a = stream.alloc_zeros::<bf16>(64 * 64).map_err(e)?;
+            let mut d = stream.alloc_zeros::<bf16>(64 * 64).map_err(e)?;
+            let op = moefuse_kernels::Gemm {
+                variant: v,
+                shape: GemmShape::new(64, 64, 64),
+                a: &a,
+                b: &a,
+                c: None,
+                d: &mut d,
+                workspace: None,
             };
-            match r {
-                Err(moefuse_kernels::KernelError::Launch {
-                    status: moefuse_kernels::Status::ArchMismatch,
-                    message,
-                    ..
-                }) => {
-                    println!("{}: {message}", v.name());
+            match kernels.launch(&stream, op) {
+                Err(KernelError::VariantArch { variant_arch, .. }) if variant_arch == foreign => {
                     Ok(())
                 }
-                other => Err(format!(
-                    "{}: expected ArchMismatch, got {other:?}",
-                    v.name()
-                )),
+                other => Err(format!("{}: expected VariantArch, got {other:?}", v.name())),
             }
         })
+        .test(
+            "buffer_of_another_context_is_refused_before_launch",
+            |ctx| {
+                // A second context on the same device stands in for another GPU: its memory is
+                // not the launch context's, which the launch layer must notice (issue 15, item 6).
+                let other =
+                    CudaContext::new_non_primary(ctx.ordinal(), 0).map_err(|e| e.to_string())?;
+                let e = |x: cudarc::driver::DriverError| x.to_string();
+                let theirs = other.default_stream();
+                let foreign_a = theirs.alloc_zeros::<bf16>(64 * 64).map_err(e)?;
+                ctx.bind_to_thread().map_err(e)?;
+                let stream = ctx.default_stream();
+                let b = stream.alloc_zeros::<bf16>(64 * 64).map_err(e)?;
+                let mut d = stream.alloc_zeros::<bf16>(64 * 64).map_err(e)?;
+                let gemm = Gemm::new(ctx).map_err(|e| e.to_string())?;
+                let plan = gemm
+                    .plan(&GemmDesc::new(64, 64, 64))
+                    .map_err(|e| e.to_string())?;
+                match gemm.run(&plan, &stream, &foreign_a, &b, &mut d, None) {
+                    Err(GemmError::Kernel(KernelError::WrongDevice { operand: "a", .. })) => Ok(()),
+                    other => Err(format!("foreign A: expected WrongDevice, got {other:?}")),
+                }
+            },
+        )
         .run()
 }

@@ -4,6 +4,8 @@
 //! row capacity larger than the routed rows. Outputs are poisoned first; every element of
 //! every group is compared, and rows or experts outside the groups must keep their bytes.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -294,10 +296,12 @@ fn main() {
 fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let e = |x: cudarc::driver::DriverError| x.to_string();
-    // SAFETY: every buffer below lives on the one capture stream, so cudarc need not order
-    // uses across streams (and event records must not enter the captured graph).
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().map_err(e)?;
+    // A fresh handle on the device's primary context that never creates a stream of its
+    // own stays out of cudarc's multi-stream mode, so cudarc records no per-buffer events
+    // (which must not enter the captured graph); capture runs on the per-thread default
+    // stream (the legacy stream cannot be captured). No tracking opt-out is needed.
+    let ctx = &CudaContext::new(ctx.ordinal()).map_err(e)?;
+    let stream = ctx.per_thread_stream();
     let gemm = GroupedGemm::new(ctx).map_err(|x| x.to_string())?;
     let (groups, rows, n, k) = (8, 2048, 256, 512);
     let desc = GroupedDesc::forward(groups, rows, n, k, BLayout::Nk);

@@ -246,9 +246,18 @@ pub struct MoefusePermuteArgs {
     pub x_perm: *mut c_void,
     /// `moefuse_moe_permute_workspace(tokens, experts)` bytes.
     pub workspace: *mut i32,
-    /// `[1]` error bits, or null.
+    /// `[2]`: error bits (`MOEFUSE_MOE_ERROR_*`) and the tokens stamp it writes, or null.
     pub flags: *mut u32,
 }
+
+/// `MOEFUSE_MOE_ERROR_EXPERT_ID`: permute met an expert id outside `0..experts`.
+pub const MOEFUSE_MOE_ERROR_EXPERT_ID: u32 = 1;
+/// `MOEFUSE_MOE_ERROR_DUPLICATE`: permute met a token naming one expert twice.
+pub const MOEFUSE_MOE_ERROR_DUPLICATE: u32 = 2;
+/// `MOEFUSE_MOE_ERROR_ROW`: combine met a `row_of` entry outside `-1..rows`.
+pub const MOEFUSE_MOE_ERROR_ROW: u32 = 4;
+/// `MOEFUSE_MOE_ERROR_STALE`: combine's `*expect_tokens` differed from its token count.
+pub const MOEFUSE_MOE_ERROR_STALE: u32 = 8;
 
 /// `moefuse_combine_args`: `out[t] = Σ_j w[t, j] · y[row_of[t, j]]`, see abi.h.
 #[repr(C)]
@@ -260,8 +269,8 @@ pub struct MoefuseCombineArgs {
     pub top_k: i32,
     /// Row width (multiple of 8).
     pub hidden: i32,
-    /// Padding (0).
-    pub _pad: i32,
+    /// Rows `y` holds: `row_of` entries outside `-1..rows` are skipped and flagged.
+    pub rows: i32,
     /// `[tokens * top_k]`.
     pub row_of: *const i32,
     /// `[tokens, top_k]`, or null for 1.
@@ -270,6 +279,10 @@ pub struct MoefuseCombineArgs {
     pub y: *const c_void,
     /// `[tokens, hidden]` bf16.
     pub out: *mut c_void,
+    /// `[1]` error bits (`MOEFUSE_MOE_ERROR_*`), or null.
+    pub errors: *mut u32,
+    /// `[1]` the permutation's tokens stamp, or null (no check).
+    pub expect_tokens: *const i32,
 }
 
 /// `moefuse_combine_bwd_args`: `dy_perm` rows and `d_weights`, see abi.h.
@@ -282,8 +295,9 @@ pub struct MoefuseCombineBwdArgs {
     pub top_k: i32,
     /// Row width (multiple of 8).
     pub hidden: i32,
-    /// Padding (0).
-    pub _pad: i32,
+    /// Rows `y` and `dy_perm` both hold: `row_of` entries outside `-1..rows` are skipped
+    /// and flagged.
+    pub rows: i32,
     /// `[tokens * top_k]`.
     pub row_of: *const i32,
     /// `[tokens, top_k]`.
@@ -296,12 +310,16 @@ pub struct MoefuseCombineBwdArgs {
     pub dy_perm: *mut c_void,
     /// `[tokens, top_k]`.
     pub d_weights: *mut f32,
+    /// `[1]` error bits (`MOEFUSE_MOE_ERROR_*`), or null.
+    pub errors: *mut u32,
+    /// `[1]` the permutation's tokens stamp, or null (no check).
+    pub expect_tokens: *const i32,
 }
 
 /// A MoE launcher (`moefuse_moe_<op>(args, stream)`), generic over its argument struct.
 pub type MoeLaunchFn<A> = unsafe extern "C" fn(*const A, *mut c_void) -> MoefuseStatus;
 
-#[cfg(moefuse_kernels_linked)]
+#[cfg(moefuse_moe_linked)]
 extern "C" {
     /// `moefuse_moe_router_fwd(args, stream)`
     pub fn moefuse_moe_router_fwd(
@@ -398,10 +416,16 @@ mod tests {
         assert_eq!(size_of::<MoefusePermuteArgs>(), 88);
         assert_eq!(offset_of!(MoefusePermuteArgs, topk_ids), 16);
         assert_eq!(offset_of!(MoefusePermuteArgs, flags), 80);
-        assert_eq!(size_of::<MoefuseCombineArgs>(), 48);
+        assert_eq!(size_of::<MoefuseCombineArgs>(), 64);
+        assert_eq!(offset_of!(MoefuseCombineArgs, rows), 12);
         assert_eq!(offset_of!(MoefuseCombineArgs, out), 40);
-        assert_eq!(size_of::<MoefuseCombineBwdArgs>(), 64);
+        assert_eq!(offset_of!(MoefuseCombineArgs, errors), 48);
+        assert_eq!(offset_of!(MoefuseCombineArgs, expect_tokens), 56);
+        assert_eq!(size_of::<MoefuseCombineBwdArgs>(), 80);
+        assert_eq!(offset_of!(MoefuseCombineBwdArgs, rows), 12);
         assert_eq!(offset_of!(MoefuseCombineBwdArgs, d_weights), 56);
+        assert_eq!(offset_of!(MoefuseCombineBwdArgs, errors), 64);
+        assert_eq!(offset_of!(MoefuseCombineBwdArgs, expect_tokens), 72);
         assert_eq!(size_of::<MoefuseActivationArgs>(), 56);
         assert_eq!(offset_of!(MoefuseActivationArgs, alpha), 16);
         assert_eq!(offset_of!(MoefuseActivationArgs, limit), 20);

@@ -6,7 +6,7 @@ mod sm100;
 mod sm90;
 
 use crate::GemmError;
-use moefuse_kernels::{compiled, CompiledVariant, Op, VariantArch};
+use moefuse_kernels::{compiled, CompiledVariant, Kernels, Op, VariantArch};
 use std::collections::HashSet;
 use std::sync::Mutex;
 
@@ -19,29 +19,19 @@ pub(crate) struct Device {
     pub(crate) sms: usize,
 }
 
-/// The heuristic for `ctx`'s device: checks the ABI, that moefuse has kernels for the
-/// device's architecture and that this build compiled them; reads the SM count.
+/// The heuristic for `ctx`'s device and its kernel handle ([`Kernels::new`] checks the ABI,
+/// that moefuse has kernels for the device's architecture and that this build compiled
+/// them, and reads the SM count).
 pub(crate) fn for_device(
     ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
-) -> Result<(Box<dyn ArchSpec + Send + Sync>, Device), GemmError> {
-    moefuse_kernels::check_abi()?;
-    let (major, minor) = ctx.compute_capability()?;
-    let spec: Box<dyn ArchSpec + Send + Sync> = match (major, minor) {
-        (9, 0) => Box::new(Sm90),
-        (10, 0) => Box::new(Sm100),
-        _ => return Err(GemmError::UnsupportedArch { major, minor }),
+) -> Result<(Box<dyn ArchSpec + Send + Sync>, Device, Kernels), GemmError> {
+    let kernels = Kernels::new(ctx)?;
+    let spec: Box<dyn ArchSpec + Send + Sync> = match kernels.arch() {
+        VariantArch::Sm90a => Box::new(Sm90),
+        VariantArch::Sm100a => Box::new(Sm100),
     };
-    let arch = spec.arch().name();
-    if !moefuse_kernels::built_archs().contains(&arch) {
-        return Err(GemmError::ArchNotBuilt {
-            arch,
-            built: moefuse_kernels::built_archs().join(","),
-        });
-    }
-    let sms = ctx.attribute(
-        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )?;
-    Ok((spec, Device { sms: sms as usize }))
+    let device = Device { sms: kernels.sms() };
+    Ok((spec, device, kernels))
 }
 
 /// What a heuristic sees of a problem: `groups` GEMMs of `m × n` outputs (dense: one group;

@@ -1,0 +1,685 @@
+//! The MoE operations of the launch layer that are not GEMMs (router, activation, permute,
+//! combine; `cuda/moe/*.cu`, abi.h and moe_abi.h), each checked as its C header states.
+
+use crate::launch::{check_multiple, check_range, extent, to_i32, Binder, Call};
+use crate::{ffi, moe_permute_workspace, KernelError};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
+
+/// bf16 rows of `hidden % 8 == 0` elements move as 16-byte vectors.
+const ROW_ALIGN: u64 = 16;
+
+/// How the router scores experts (abi.h `moefuse_router_kind`).
+///
+/// ```
+/// let s = moefuse_kernels::RouterScoring::SigmoidGrouped { n_group: 8, topk_group: 4,
+///     routed_scaling_factor: 2.5 };
+/// assert_ne!(s, moefuse_kernels::RouterScoring::Softmax);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RouterScoring {
+    /// Softmax over all experts, then top-k.
+    Softmax,
+    /// DeepSeek-V3's biased, group-limited sigmoid router.
+    SigmoidGrouped {
+        /// Expert groups (divides the experts, >= 2 experts each).
+        n_group: usize,
+        /// Groups kept per token, `1..=n_group`.
+        topk_group: usize,
+        /// Final scale of the weights.
+        routed_scaling_factor: f32,
+    },
+}
+
+impl RouterScoring {
+    fn raw(
+        &self,
+        kernel: &str,
+        experts: usize,
+        top_k: usize,
+    ) -> Result<(i32, i32, i32, f32), KernelError> {
+        match *self {
+            RouterScoring::Softmax => Ok((ffi::MOEFUSE_ROUTER_SOFTMAX_TOPK, 0, 0, 1.0)),
+            RouterScoring::SigmoidGrouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            } => {
+                check_range(kernel, "n_group", n_group as i128, 1, (experts / 2) as i128)?;
+                check_multiple(kernel, "experts (by n_group)", experts, n_group)?;
+                check_range(kernel, "topk_group", topk_group as i128, 1, n_group as i128)?;
+                let reachable = topk_group * (experts / n_group);
+                check_range(
+                    kernel,
+                    "top_k (topk_group * experts / n_group)",
+                    top_k as i128,
+                    1,
+                    reachable as i128,
+                )?;
+                Ok((
+                    ffi::MOEFUSE_ROUTER_SIGMOID_GROUPED,
+                    n_group as i32,
+                    topk_group as i32,
+                    routed_scaling_factor,
+                ))
+            }
+        }
+    }
+}
+
+fn check_routing(
+    kernel: &str,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+) -> Result<(), KernelError> {
+    check_range(kernel, "experts", experts as i128, 1, MAX_EXPERTS as i128)?;
+    check_range(
+        kernel,
+        "top_k",
+        top_k as i128,
+        1,
+        experts.min(MAX_TOP_K) as i128,
+    )?;
+    check_range(
+        kernel,
+        "tokens * experts",
+        tokens as i128 * experts as i128,
+        0,
+        i32::MAX as i128,
+    )
+}
+
+/// Router forward: logits `[tokens, experts]` to `topk_ids`/`topk_weights` `[tokens, top_k]`.
+///
+/// ```no_run
+/// # use moefuse_kernels::{Kernels, RouterForward, RouterScoring};
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let logits = stream.alloc_zeros::<f32>(4 * 8)?;
+/// let (mut ids, mut w) = (stream.alloc_zeros::<i32>(4 * 2)?, stream.alloc_zeros::<f32>(4 * 2)?);
+/// kernels.launch(&stream, RouterForward { tokens: 4, experts: 8, top_k: 2,
+///     scoring: RouterScoring::Softmax, renormalize: false, logits: &logits, bias: None,
+///     topk_ids: &mut ids, topk_weights: &mut w })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct RouterForward<'a> {
+    /// Tokens (0: nothing is launched).
+    pub tokens: usize,
+    /// Experts, `1..=512`.
+    pub experts: usize,
+    /// Experts per token, `1..=min(16, experts)`.
+    pub top_k: usize,
+    /// Scoring.
+    pub scoring: RouterScoring,
+    /// Divide the chosen weights by their sum.
+    pub renormalize: bool,
+    /// `[tokens, experts]` fp32.
+    pub logits: &'a dyn DevicePtr<f32>,
+    /// `[experts]` selection bias (sigmoid grouped only).
+    pub bias: Option<&'a dyn DevicePtr<f32>>,
+    /// `[tokens, top_k]` out.
+    pub topk_ids: &'a mut dyn DevicePtrMut<i32>,
+    /// `[tokens, top_k]` out.
+    pub topk_weights: &'a mut dyn DevicePtrMut<f32>,
+}
+
+impl<'a> RouterForward<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (t, e, k) = (self.tokens, self.experts, self.top_k);
+        check_routing(kernel, t, e, k)?;
+        let (kind, n_group, topk_group, scale) = self.scoring.raw(kernel, e, k)?;
+        if self.bias.is_some() && self.scoring == RouterScoring::Softmax {
+            return Err(KernelError::Inconsistent {
+                kernel: kernel.clone(),
+                why: "a selection bias is for the sigmoid grouped router only",
+            });
+        }
+        let tk = extent(kernel, "tokens * top_k", &[t, k])?;
+        let logits = b.read("logits", self.logits, extent(kernel, "logits", &[t, e])?, 4)?;
+        let bias = b.read_opt("bias", self.bias, e, 4)?;
+        let ids = b.write("topk_ids", self.topk_ids, tk, 4)?;
+        let weights = b.write("topk_weights", self.topk_weights, tk, 4)?;
+        if t == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Call::RouterForward(ffi::MoefuseRouterArgs {
+            tokens: to_i32(kernel, "tokens", t)?,
+            experts: to_i32(kernel, "experts", e)?,
+            top_k: to_i32(kernel, "top_k", k)?,
+            kind,
+            n_group,
+            topk_group,
+            renormalize: i32::from(self.renormalize),
+            routed_scaling_factor: scale,
+            logits: logits as *const f32,
+            bias: bias as *const f32,
+            topk_ids: ids as *mut i32,
+            topk_weights: weights as *mut f32,
+        })))
+    }
+}
+
+/// Router backward: `d_logits [tokens, experts]` from `d_topk_weights [tokens, top_k]`.
+///
+/// ```no_run
+/// # use moefuse_kernels::{Kernels, RouterBackward, RouterScoring};
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let logits = stream.alloc_zeros::<f32>(4 * 8)?;
+/// let ids = stream.alloc_zeros::<i32>(4 * 2)?;
+/// let dw = stream.alloc_zeros::<f32>(4 * 2)?;
+/// let mut dl = stream.alloc_zeros::<f32>(4 * 8)?;
+/// kernels.launch(&stream, RouterBackward { tokens: 4, experts: 8, top_k: 2,
+///     scoring: RouterScoring::Softmax, renormalize: false, logits: &logits, topk_ids: &ids,
+///     d_topk_weights: &dw, d_logits: &mut dl })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct RouterBackward<'a> {
+    /// Tokens (0: nothing is launched).
+    pub tokens: usize,
+    /// Experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// The forward's scoring.
+    pub scoring: RouterScoring,
+    /// The forward renormalised.
+    pub renormalize: bool,
+    /// `[tokens, experts]` logits of the forward.
+    pub logits: &'a dyn DevicePtr<f32>,
+    /// `[tokens, top_k]` ids of the forward.
+    pub topk_ids: &'a dyn DevicePtr<i32>,
+    /// `[tokens, top_k]` upstream gradient.
+    pub d_topk_weights: &'a dyn DevicePtr<f32>,
+    /// `[tokens, experts]` out.
+    pub d_logits: &'a mut dyn DevicePtrMut<f32>,
+}
+
+impl<'a> RouterBackward<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (t, e, k) = (self.tokens, self.experts, self.top_k);
+        check_routing(kernel, t, e, k)?;
+        let (kind, _, _, scale) = self.scoring.raw(kernel, e, k)?;
+        let te = extent(kernel, "logits", &[t, e])?;
+        let tk = extent(kernel, "tokens * top_k", &[t, k])?;
+        let logits = b.read("logits", self.logits, te, 4)?;
+        let ids = b.read("topk_ids", self.topk_ids, tk, 4)?;
+        let dw = b.read("d_topk_weights", self.d_topk_weights, tk, 4)?;
+        let dl = b.write("d_logits", self.d_logits, te, 4)?;
+        if t == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Call::RouterBackward(ffi::MoefuseRouterBwdArgs {
+            tokens: to_i32(kernel, "tokens", t)?,
+            experts: to_i32(kernel, "experts", e)?,
+            top_k: to_i32(kernel, "top_k", k)?,
+            kind,
+            renormalize: i32::from(self.renormalize),
+            routed_scaling_factor: scale,
+            logits: logits as *const f32,
+            topk_ids: ids as *const i32,
+            d_topk_weights: dw as *const f32,
+            d_logits: dl as *mut f32,
+        })))
+    }
+}
+
+/// The expert MLP's activation (abi.h `moefuse_activation`).
+///
+/// ```
+/// assert!(moefuse_kernels::ActivationKind::SwiGlu.is_gated());
+/// assert!(!moefuse_kernels::ActivationKind::Relu2.is_gated());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ActivationKind {
+    /// `silu(g) u`.
+    SwiGlu,
+    /// `gelu_tanh(g) u`.
+    GeGlu,
+    /// gpt-oss: `g' sigmoid(alpha g') (u' + 1)`, clamped at `limit`.
+    SwiGluOai {
+        /// Sigmoid slope.
+        alpha: f32,
+        /// Clamp (> 0).
+        limit: f32,
+    },
+    /// `silu(g') u'`, clamped at `limit`.
+    BoundedSwiGlu {
+        /// Clamp (> 0).
+        limit: f32,
+    },
+    /// `relu(x)^2`, not gated.
+    Relu2,
+}
+
+impl ActivationKind {
+    /// Whether the input row holds gate and up halves (width `2I`).
+    pub fn is_gated(&self) -> bool {
+        !matches!(self, ActivationKind::Relu2)
+    }
+}
+
+/// Where gate and up sit in a gated row (abi.h `moefuse_gate_up_layout`).
+///
+/// ```
+/// assert_ne!(moefuse_kernels::GateUpLayout::Split, moefuse_kernels::GateUpLayout::Interleaved);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateUpLayout {
+    /// Gates in `[0, I)`, ups in `[I, 2I)`.
+    Split,
+    /// Gate `j` at `2j`, up `j` at `2j + 1`.
+    Interleaved,
+}
+
+/// Activation forward (`out = h [rows, I]` from `h_pre [rows, W]`) or, with `backward`, its
+/// backward (`out = d_h_pre [rows, W]` from `dh [rows, I]` and `h_pre`); `W = 2I` when gated.
+///
+/// ```no_run
+/// # use moefuse_kernels::{Activation, ActivationKind, GateUpLayout, Kernels};
+/// # use half::bf16;
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let h_pre = stream.alloc_zeros::<bf16>(16 * 128)?;
+/// let mut h = stream.alloc_zeros::<bf16>(16 * 64)?;
+/// kernels.launch(&stream, Activation { kind: ActivationKind::SwiGlu, layout: GateUpLayout::Split,
+///     intermediate: 64, max_rows: 16, total_rows: None, h_pre: &h_pre, backward: None, out: &mut h })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Activation<'a> {
+    /// The function.
+    pub kind: ActivationKind,
+    /// Gate/up placement (ignored by `Relu2`).
+    pub layout: GateUpLayout,
+    /// `I >= 1`.
+    pub intermediate: usize,
+    /// Rows the buffers hold (0: nothing is launched).
+    pub max_rows: usize,
+    /// `[1]` device row count (clamped to `max_rows` by the kernel), or all `max_rows`.
+    pub total_rows: Option<&'a dyn DevicePtr<i32>>,
+    /// `[max_rows, W]`.
+    pub h_pre: &'a dyn DevicePtr<bf16>,
+    /// Backward: `dh [max_rows, I]`; `None` for the forward.
+    pub backward: Option<&'a dyn DevicePtr<bf16>>,
+    /// Forward `[max_rows, I]`, backward `[max_rows, W]`.
+    pub out: &'a mut dyn DevicePtrMut<bf16>,
+}
+
+impl<'a> Activation<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (i, rows) = (self.intermediate, self.max_rows);
+        check_range(kernel, "intermediate", i as i128, 1, i32::MAX as i128)?;
+        let width = if self.kind.is_gated() { 2 * i } else { i };
+        check_range(kernel, "row width", width as i128, 1, i32::MAX as i128)?;
+        let (raw, alpha, limit) = match self.kind {
+            ActivationKind::SwiGlu => (ffi::MOEFUSE_ACTIVATION_SWIGLU, 0.0, 0.0),
+            ActivationKind::GeGlu => (ffi::MOEFUSE_ACTIVATION_GEGLU, 0.0, 0.0),
+            ActivationKind::SwiGluOai { alpha, limit } => {
+                (ffi::MOEFUSE_ACTIVATION_SWIGLU_OAI, alpha, limit)
+            }
+            ActivationKind::BoundedSwiGlu { limit } => {
+                (ffi::MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, 0.0, limit)
+            }
+            ActivationKind::Relu2 => (ffi::MOEFUSE_ACTIVATION_RELU2, 0.0, 0.0),
+        };
+        let clamped = matches!(
+            self.kind,
+            ActivationKind::SwiGluOai { .. } | ActivationKind::BoundedSwiGlu { .. }
+        );
+        if clamped && limit.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return Err(KernelError::Inconsistent {
+                kernel: kernel.clone(),
+                why: "the clamped activations need limit > 0",
+            });
+        }
+        let wide = extent(kernel, "rows * W", &[rows, width])?;
+        let narrow = extent(kernel, "rows * I", &[rows, i])?;
+        let total = b.read_opt("total_rows", self.total_rows, 1, 4)?;
+        let h_pre = b.read("h_pre", self.h_pre, wide, 2)?;
+        let backward = self.backward.is_some();
+        let dh = b.read_opt("dh", self.backward, narrow, 2)?;
+        let out = b.write("out", self.out, if backward { wide } else { narrow }, 2)?;
+        if rows == 0 {
+            return Ok(None);
+        }
+        let args = ffi::MoefuseActivationArgs {
+            activation: raw,
+            layout: match self.layout {
+                GateUpLayout::Split => ffi::MOEFUSE_GATE_UP_SPLIT,
+                GateUpLayout::Interleaved => ffi::MOEFUSE_GATE_UP_INTERLEAVED,
+            },
+            intermediate: to_i32(kernel, "intermediate", i)?,
+            max_rows: to_i32(kernel, "max_rows", rows)?,
+            alpha,
+            limit,
+            total_rows: total as *const i32,
+            h_pre: h_pre as *const _,
+            dh: dh as *const _,
+            out: out as *mut _,
+        };
+        Ok(Some(if backward {
+            Call::ActivationBackward(args)
+        } else {
+            Call::ActivationForward(args)
+        }))
+    }
+}
+
+/// Permutation with the gather of x fused (moe_abi.h `moefuse_permute_args`). Launches even
+/// for 0 tokens (it writes zero counts and offsets).
+///
+/// ```no_run
+/// # use moefuse_kernels::{Kernels, Permute};
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let (t, e, k) = (4, 8, 2);
+/// let ids = stream.alloc_zeros::<i32>(t * k)?;
+/// let (mut counts, mut offsets) = (stream.alloc_zeros::<i32>(e)?, stream.alloc_zeros::<i32>(e)?);
+/// let mut row_of = stream.alloc_zeros::<i32>(t * k)?;
+/// let mut source_of = stream.alloc_zeros::<i32>(t * k)?;
+/// let mut ws = stream.alloc_zeros::<i32>(moefuse_kernels::moe_permute_workspace(t, e) / 4)?;
+/// kernels.launch(&stream, Permute { tokens: t, experts: e, top_k: k, hidden: 0, topk_ids: &ids,
+///     x: None, counts: &mut counts, offsets: &mut offsets, row_of: &mut row_of,
+///     source_of: &mut source_of, x_perm: None, workspace: &mut ws, flags: None })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Permute<'a> {
+    /// Tokens.
+    pub tokens: usize,
+    /// Experts, `1..=512`.
+    pub experts: usize,
+    /// Slots per token, `1..=16`.
+    pub top_k: usize,
+    /// Row width of x (multiple of 8) when gathering; else ignored.
+    pub hidden: usize,
+    /// `[tokens, top_k]`.
+    pub topk_ids: &'a dyn DevicePtr<i32>,
+    /// `[tokens, hidden]`, with `x_perm`.
+    pub x: Option<&'a dyn DevicePtr<bf16>>,
+    /// `[experts]` out.
+    pub counts: &'a mut dyn DevicePtrMut<i32>,
+    /// `[experts]` prefix-sum ends out.
+    pub offsets: &'a mut dyn DevicePtrMut<i32>,
+    /// `[tokens * top_k]` out: each slot's expert-major row (-1: dropped).
+    pub row_of: &'a mut dyn DevicePtrMut<i32>,
+    /// `[tokens * top_k]` out.
+    pub source_of: &'a mut dyn DevicePtrMut<i32>,
+    /// `[tokens * top_k, hidden]` out, with `x`.
+    pub x_perm: Option<&'a mut dyn DevicePtrMut<bf16>>,
+    /// [`moe_permute_workspace`]`(tokens, experts)` bytes as int32.
+    pub workspace: &'a mut dyn DevicePtrMut<i32>,
+    /// `[2]` out: error bits (`ffi::MOEFUSE_MOE_ERROR_*`) and the tokens stamp combine checks.
+    pub flags: Option<&'a mut dyn DevicePtrMut<u32>>,
+}
+
+impl<'a> Permute<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (t, e, k) = (self.tokens, self.experts, self.top_k);
+        check_range(kernel, "experts", e as i128, 1, MAX_EXPERTS as i128)?;
+        check_range(kernel, "top_k", k as i128, 1, MAX_TOP_K as i128)?;
+        let tk = extent(kernel, "tokens * top_k", &[t, k])?;
+        check_range(kernel, "tokens * top_k", tk as i128, 0, i32::MAX as i128)?;
+        if self.x.is_some() != self.x_perm.is_some() {
+            return Err(KernelError::Inconsistent {
+                kernel: kernel.clone(),
+                why: "x and x_perm go together (the gather needs both)",
+            });
+        }
+        let gather = self.x.is_some();
+        let hidden = if gather { self.hidden } else { 0 };
+        if gather {
+            check_range(kernel, "hidden", hidden as i128, 1, i32::MAX as i128)?;
+            check_multiple(kernel, "hidden", hidden, 8)?;
+        }
+        let ids = b.read("topk_ids", self.topk_ids, tk, 4)?;
+        let x = b.read_opt("x", self.x, extent(kernel, "x", &[t, hidden])?, ROW_ALIGN)?;
+        let counts = b.write("counts", self.counts, e, 4)?;
+        let offsets = b.write("offsets", self.offsets, e, 4)?;
+        let row_of = b.write("row_of", self.row_of, tk, 4)?;
+        let source_of = b.write("source_of", self.source_of, tk, 4)?;
+        let x_perm = b.write_opt(
+            "x_perm",
+            self.x_perm,
+            extent(kernel, "x_perm", &[tk, hidden])?,
+            ROW_ALIGN,
+        )?;
+        let ws = b.write(
+            "workspace",
+            self.workspace,
+            moe_permute_workspace(t, e).div_ceil(4),
+            4,
+        )?;
+        let flags = b.write_opt("flags", self.flags, 2, 4)?;
+        Ok(Some(Call::Permute(ffi::MoefusePermuteArgs {
+            tokens: to_i32(kernel, "tokens", t)?,
+            experts: to_i32(kernel, "experts", e)?,
+            top_k: to_i32(kernel, "top_k", k)?,
+            hidden: to_i32(kernel, "hidden", hidden)?,
+            topk_ids: ids as *const i32,
+            x: x as *const _,
+            counts: counts as *mut i32,
+            offsets: offsets as *mut i32,
+            row_of: row_of as *mut i32,
+            source_of: source_of as *mut i32,
+            x_perm: x_perm as *mut _,
+            workspace: ws as *mut i32,
+            flags: flags as *mut u32,
+        })))
+    }
+}
+
+fn check_combine(
+    kernel: &str,
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+    rows: usize,
+) -> Result<(usize, usize), KernelError> {
+    check_range(kernel, "top_k", top_k as i128, 1, MAX_TOP_K as i128)?;
+    check_range(kernel, "hidden", hidden as i128, 1, i32::MAX as i128)?;
+    check_multiple(kernel, "hidden", hidden, 8)?;
+    check_range(kernel, "rows", rows as i128, 0, i32::MAX as i128)?;
+    let tk = extent(kernel, "tokens * top_k", &[tokens, top_k])?;
+    check_range(kernel, "tokens * top_k", tk as i128, 0, i32::MAX as i128)?;
+    Ok((tk, extent(kernel, "rows * hidden", &[rows, hidden])?))
+}
+
+/// Combine: `out[t] = Σ_j w[t, j] · y[row_of[t, j]]` (moe_abi.h). `row_of` is device data
+/// the kernel does not trust: entries outside `-1..rows` are skipped (and flagged in
+/// `errors`), so `y` needs only its `rows` rows.
+///
+/// ```no_run
+/// # use moefuse_kernels::{CombineForward, Kernels};
+/// # use half::bf16;
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let row_of = stream.alloc_zeros::<i32>(4 * 2)?;
+/// let y = stream.alloc_zeros::<bf16>(8 * 64)?;
+/// let mut out = stream.alloc_zeros::<bf16>(4 * 64)?;
+/// kernels.launch(&stream, CombineForward { tokens: 4, top_k: 2, hidden: 64, rows: 8,
+///     row_of: &row_of, weights: None, y: &y, out: &mut out, errors: None, expect_tokens: None })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct CombineForward<'a> {
+    /// Tokens (0: nothing is launched).
+    pub tokens: usize,
+    /// Slots per token.
+    pub top_k: usize,
+    /// Row width (multiple of 8).
+    pub hidden: usize,
+    /// Rows `y` holds.
+    pub rows: usize,
+    /// `[tokens * top_k]` expert-major rows (the permutation's).
+    pub row_of: &'a dyn DevicePtr<i32>,
+    /// `[tokens, top_k]`, or 1.
+    pub weights: Option<&'a dyn DevicePtr<f32>>,
+    /// `[rows, hidden]`.
+    pub y: &'a dyn DevicePtr<bf16>,
+    /// `[tokens, hidden]` out.
+    pub out: &'a mut dyn DevicePtrMut<bf16>,
+    /// `[1]` error bits (`ffi::MOEFUSE_MOE_ERROR_*`), or none.
+    pub errors: Option<&'a mut dyn DevicePtrMut<u32>>,
+    /// `[1]` the permutation's tokens stamp (its `flags[1]`), or no check.
+    pub expect_tokens: Option<&'a dyn DevicePtr<i32>>,
+}
+
+impl<'a> CombineForward<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (t, k, h) = (self.tokens, self.top_k, self.hidden);
+        let (tk, rows) = check_combine(kernel, t, k, h, self.rows)?;
+        let row_of = b.read("row_of", self.row_of, tk, 4)?;
+        let weights = b.read_opt("weights", self.weights, tk, 4)?;
+        let y = b.read("y", self.y, rows, ROW_ALIGN)?;
+        let out = b.write("out", self.out, extent(kernel, "out", &[t, h])?, ROW_ALIGN)?;
+        let errors = b.write_opt("errors", self.errors, 1, 4)?;
+        let expect = b.read_opt("expect_tokens", self.expect_tokens, 1, 4)?;
+        if t == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Call::Combine(ffi::MoefuseCombineArgs {
+            tokens: to_i32(kernel, "tokens", t)?,
+            top_k: to_i32(kernel, "top_k", k)?,
+            hidden: to_i32(kernel, "hidden", h)?,
+            rows: to_i32(kernel, "rows", self.rows)?,
+            row_of: row_of as *const i32,
+            weights: weights as *const f32,
+            y: y as *const _,
+            out: out as *mut _,
+            errors: errors as *mut u32,
+            expect_tokens: expect as *const i32,
+        })))
+    }
+}
+
+/// Combine backward: `dy_perm` rows and `d_weights` (moe_abi.h); `y` and `dy_perm` hold
+/// `rows` rows, and `row_of` is untrusted as for [`CombineForward`].
+///
+/// ```no_run
+/// # use moefuse_kernels::{CombineBackward, Kernels};
+/// # use half::bf16;
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let row_of = stream.alloc_zeros::<i32>(8)?;
+/// let (w, dy, y) = (stream.alloc_zeros::<f32>(8)?, stream.alloc_zeros::<bf16>(4 * 64)?, stream.alloc_zeros::<bf16>(8 * 64)?);
+/// let (mut dy_perm, mut dw) = (stream.alloc_zeros::<bf16>(8 * 64)?, stream.alloc_zeros::<f32>(8)?);
+/// kernels.launch(&stream, CombineBackward { tokens: 4, top_k: 2, hidden: 64, rows: 8,
+///     row_of: &row_of, weights: &w, dy: &dy, y: &y, dy_perm: &mut dy_perm, d_weights: &mut dw,
+///     errors: None, expect_tokens: None })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct CombineBackward<'a> {
+    /// Tokens (0: nothing is launched).
+    pub tokens: usize,
+    /// Slots per token.
+    pub top_k: usize,
+    /// Row width (multiple of 8).
+    pub hidden: usize,
+    /// Rows `y` and `dy_perm` hold.
+    pub rows: usize,
+    /// `[tokens * top_k]` expert-major rows (the permutation's).
+    pub row_of: &'a dyn DevicePtr<i32>,
+    /// `[tokens, top_k]`.
+    pub weights: &'a dyn DevicePtr<f32>,
+    /// `[tokens, hidden]`.
+    pub dy: &'a dyn DevicePtr<bf16>,
+    /// `[rows, hidden]`: the forward's expert outputs.
+    pub y: &'a dyn DevicePtr<bf16>,
+    /// `[rows, hidden]` out.
+    pub dy_perm: &'a mut dyn DevicePtrMut<bf16>,
+    /// `[tokens, top_k]` out.
+    pub d_weights: &'a mut dyn DevicePtrMut<f32>,
+    /// `[1]` error bits, or none.
+    pub errors: Option<&'a mut dyn DevicePtrMut<u32>>,
+    /// `[1]` the permutation's tokens stamp, or no check.
+    pub expect_tokens: Option<&'a dyn DevicePtr<i32>>,
+}
+
+impl<'a> CombineBackward<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (t, k, h) = (self.tokens, self.top_k, self.hidden);
+        let (tk, rows) = check_combine(kernel, t, k, h, self.rows)?;
+        let row_of = b.read("row_of", self.row_of, tk, 4)?;
+        let weights = b.read("weights", self.weights, tk, 4)?;
+        let dy = b.read("dy", self.dy, extent(kernel, "dy", &[t, h])?, ROW_ALIGN)?;
+        let y = b.read("y", self.y, rows, ROW_ALIGN)?;
+        let dy_perm = b.write("dy_perm", self.dy_perm, rows, ROW_ALIGN)?;
+        let dw = b.write("d_weights", self.d_weights, tk, 4)?;
+        let errors = b.write_opt("errors", self.errors, 1, 4)?;
+        let expect = b.read_opt("expect_tokens", self.expect_tokens, 1, 4)?;
+        if t == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Call::CombineBackward(ffi::MoefuseCombineBwdArgs {
+            tokens: to_i32(kernel, "tokens", t)?,
+            top_k: to_i32(kernel, "top_k", k)?,
+            hidden: to_i32(kernel, "hidden", h)?,
+            rows: to_i32(kernel, "rows", self.rows)?,
+            row_of: row_of as *const i32,
+            weights: weights as *const f32,
+            dy: dy as *const _,
+            y: y as *const _,
+            dy_perm: dy_perm as *mut _,
+            d_weights: dw as *mut f32,
+            errors: errors as *mut u32,
+            expect_tokens: expect as *const i32,
+        })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_limits_are_the_kernels() {
+        assert!(check_routing("r", 4, 512, 16).is_ok());
+        match check_routing("r", 4, 513, 2) {
+            Err(KernelError::OutOfRange {
+                what: "experts",
+                value: 513,
+                max: 512,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(check_routing("r", 4, 8, 9).is_err());
+        assert!(check_routing("r", 4, 64, 17).is_err());
+        assert!(check_routing("r", 1 << 28, 64, 2).is_err());
+    }
+
+    #[test]
+    fn sigmoid_grouping_is_checked() {
+        let s = |n_group, topk_group| RouterScoring::SigmoidGrouped {
+            n_group,
+            topk_group,
+            routed_scaling_factor: 1.0,
+        };
+        assert!(s(8, 4).raw("r", 256, 8).is_ok());
+        assert!(matches!(
+            s(7, 4).raw("r", 256, 8),
+            Err(KernelError::NotMultiple { .. })
+        ));
+        assert!(s(8, 9).raw("r", 256, 8).is_err());
+        // One group of 2 experts kept cannot supply 4 experts.
+        assert!(s(128, 1).raw("r", 256, 4).is_err());
+        assert!(
+            s(256, 1).raw("r", 256, 1).is_err(),
+            "groups need >= 2 experts"
+        );
+    }
+}
