@@ -1,56 +1,14 @@
 //! `cargo xtask launch -n N [--gpus G] [--timeout SECS] -- <program> <args...>`: N ranks of
-//! one job on this host, agreeing on an NVSHMEM unique id through a rendezvous this task
-//! serves on 127.0.0.1 (no MPI, no shared filesystem).
+//! one job on this host, agreeing on an NVSHMEM unique id through a token-guarded
+//! rendezvous this task serves on 127.0.0.1 (no MPI, no shared filesystem).
 //!
-//! The work is `moefuse_comm::launch` (`crates/comm/src/launcher.rs`; bootstrap.rs's docs
-//! list the variables each rank gets and the protocol). This file compiles it by path instead of
-//! depending on moefuse-comm, whose build script needs the toolchain `cargo xtask setup`
-//! installs.
+//! The work is `moefuse_launch::launch` (crates/launch; its crate docs list the variables
+//! each rank gets and the protocol). moefuse-launch is std-only, so xtask depends on it
+//! without the CUDA toolchain moefuse-comm's build script needs.
 
-#[allow(dead_code)] // the rank side (LaunchEnv, the client) is for the children
-#[path = "../../crates/comm/src/bootstrap.rs"]
-mod bootstrap;
-#[path = "../../crates/comm/src/launcher.rs"]
-mod launcher;
-
+use moefuse_launch as launcher;
 use std::ffi::OsString;
-use std::fmt;
 use std::time::Duration;
-
-/// The `CommError` variants bootstrap.rs builds (it names `super::CommError`).
-#[derive(Debug)]
-enum CommError {
-    Bootstrap(String),
-    RankFailed {
-        rank: usize,
-        world_size: usize,
-        status: String,
-    },
-    LaunchTimeout {
-        secs: u64,
-        running: Vec<usize>,
-    },
-}
-
-impl fmt::Display for CommError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            CommError::Bootstrap(msg) => write!(f, "launch: {msg}"),
-            CommError::RankFailed {
-                rank,
-                world_size,
-                status,
-            } => write!(
-                f,
-                "launch: rank {rank} of {world_size} failed first ({status}); ranks still running were stopped"
-            ),
-            CommError::LaunchTimeout { secs, running } => write!(
-                f,
-                "launch: timed out after {secs} s; killed ranks {running:?}"
-            ),
-        }
-    }
-}
 
 /// Arguments of `cargo xtask launch`.
 #[derive(clap::Args)]
@@ -62,9 +20,9 @@ pub struct LaunchArgs {
     /// MOEFUSE_LAUNCH_GPUS, else 1, so every rank shares one GPU).
     #[arg(long)]
     gpus: Option<usize>,
-    /// Kill every rank after this many seconds.
-    #[arg(long)]
-    timeout: Option<u64>,
+    /// Kill every rank after this many seconds (0: never).
+    #[arg(long, default_value_t = launcher::DEFAULT_LAUNCH_TIMEOUT.as_secs())]
+    timeout: u64,
     /// Seconds the other ranks may run on after one fails, before they are killed.
     #[arg(long, default_value_t = 3)]
     grace: u64,
@@ -78,7 +36,7 @@ pub fn run(args: LaunchArgs) -> crate::Result<()> {
     let (program, rest) = args.command.split_first().expect("clap requires a program");
     let mut spec = launcher::LaunchSpec::new(args.nprocs, program, rest);
     spec.gpus = args.gpus;
-    spec.timeout = args.timeout.map(Duration::from_secs);
+    spec.timeout = (args.timeout > 0).then(|| Duration::from_secs(args.timeout));
     spec.grace = Duration::from_secs(args.grace);
     let n = args.nprocs;
     launcher::launch(&spec, |event| match event {

@@ -19,11 +19,14 @@ out=${OUT:-/tmp/moefuse-out}
 mkdir -p "$out"
 logs=$(mktemp -d)
 # cuBLAS (for the baselines) and NVSHMEM come from the machine's python packages.
-py_libs=$(python3 - <<'PY' 2>/dev/null
-import glob, os, sys
+# -I: neither the current folder nor PYTHON* variables decide what is imported or searched;
+# the user site (pip install --user) is searched explicitly.
+py_libs=$(python3 -I - <<'PY' 2>/dev/null
+import glob, os, site, sys
 dirs = set()
+roots = [p for p in sys.path if os.path.isabs(p)] + [site.getusersitepackages()]
 for pat in ("nvidia/*/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*", "nvidia/nvshmem/lib/libnvshmem_host.so*"):
-    for p in sys.path:
+    for p in roots:
         for f in glob.glob(os.path.join(p, pat)):
             dirs.add(os.path.dirname(f))
 print(":".join(sorted(dirs)))
@@ -78,9 +81,11 @@ run_torch() {
     PYTHONUNBUFFERED=1 python3 "$here/py/torch_grouped_mm.py" --cases "$logs/cases.json" --out "$out" "${lib[@]}"
 }
 
-# NOTES: NVSHMEM's host library launches its own kernels from its init; the suites that
-# bootstrap NVSHMEM (ep, version) are run with NVSHMEM's CUDA-VMM symmetric heap off, which
-# the sanitizer does not track (docs/development.md, "Sanitizers").
+# NOTES: NVSHMEM builds its teams on NCCL when it finds libnccl (torch's, on the H200), and
+# NCCL's init fails under the sanitizer (cudaErrorNoKernelImageForDevice in
+# cudaFuncGetAttributes, 24 errors in NCCL's frames, none in ours: measured 2026-12-03 with a
+# 1-PE probe). The suites that bootstrap NVSHMEM run with NVSHMEM_DISABLE_NCCL=1, which
+# makes NVSHMEM use its own collectives; the probe is then clean under memcheck and racecheck.
 run_sanitize() {
   local pat="${1:-}" cs tools runs=0 clean=0 dirty=0 bad=()
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -90,7 +95,7 @@ run_sanitize() {
     [ -x "$t" ] || continue
     local name extra=() env_extra=()
     name=$(basename "$t")
-    case "$name" in ep_gpu*|version*) env_extra=(NVSHMEM_DISABLE_CUDA_VMM=1) ;; esac
+    case "$name" in ep_*|version*) env_extra=(NVSHMEM_DISABLE_NCCL=1) ;; esac
     for tool in $tools; do
       local log="$logs/$name.$tool.log" rc errs summary
       case "$tool" in

@@ -82,12 +82,7 @@ fn main() -> Result<(), Error> {
     let stream = ctx.new_stream()?;
     let gpu = ctx.name()?;
     for &(model, experts, top_k, hidden) in MODELS {
-        let cfg = EpConfig {
-            experts,
-            top_k,
-            hidden,
-            max_tokens: args.tokens,
-        };
+        let cfg = EpConfig::new(experts, top_k, hidden, args.tokens);
         let recs = bench_model(&ctx, &rt, &stream, &args, cfg, model, &gpu)?;
         if rank == 0 {
             for r in &recs {
@@ -143,6 +138,8 @@ fn bench_model(
         stream.memcpy_dtod(dsp.x(), &mut y)?;
         dsp.combine(&y, &mut out)?;
     }
+    // A peer's failure (deadline, abort) is a typed error here, not a hang.
+    ep.synchronize()?;
     let got = to_f32(&stream.clone_dtoh(&out)?);
     let err = rel_err(&got, &to_f32(&xs[0]));
     if !moefuse_testkit::within(err, 1e-2) {
@@ -171,6 +168,8 @@ fn bench_model(
             comb_us.push(b.elapsed_ms(&c)? as f64 * 1e3);
         }
     }
+    // Timings of calls that failed on some rank are not timings: refuse them.
+    ep.synchronize()?;
     let bytes = (sent_rows * d * 2) as f64;
     let rec = |phase: &str, s: Stats| Record {
         suite: "dispatch_combine".into(),

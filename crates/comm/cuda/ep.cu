@@ -1,5 +1,6 @@
 // Expert-parallel dispatch and combine over NVSHMEM (the non-fused path, like DeepEP's
-// normal mode). Six kernels, stream-ordered, no host synchronisation, graph-capturable:
+// normal mode). Six kernels, stream-ordered, no host synchronisation, graph-capturable,
+// and two for the instance's life (hello at construction, abort on a host-side error):
 //
 //   kernel          grid        what it does
 //   count           T/256       per-chunk counts per expert and per destination rank, and the
@@ -13,6 +14,8 @@
 //                               into the source's comb_x
 //   combine_reduce  G           waits for every destination; out[t] = sum over destinations in
 //                               rank order (fp32) -> bf16
+//   hello           1 x 32      puts this rank's (config hash, epoch base) into every PE's table
+//   abort           1 x 32      tells every peer this rank abandoned the call (abort signals)
 //
 // Layouts (the host model in crates/comm/src/plan.rs is the specification): staging rows
 // are ordered by source rank then token; expert-major rows by local expert, then source
@@ -25,6 +28,15 @@
 // that keeps graph replays and back-to-back calls safe). The buffers of call n+1 are only
 // written after every peer finished reading those of call n, because dispatch n+1 follows
 // combine n, which waited for every peer's combine_send n.
+//
+// NOTES: no wait is unbounded. Every wait on a peer polls its signal against a globaltimer
+// deadline (timeout_ns); on expiry, or on an abort signal for this epoch, it records a
+// fault (first one wins, in device memory and in the host-mapped copy) and the kernel
+// exits instead of trapping, so the context stays usable. A fault is sticky: every later
+// kernel of the instance returns at once, the sending ones after telling their peers
+// (abort signals), so one rank's failure reaches the others in microseconds, not at their
+// deadline. Epochs start at a base every rank agrees on at construction (the largest any
+// of them used before), so signals of an earlier instance never satisfy a wait.
 #include <cstddef>
 #include <cstdint>
 
@@ -45,7 +57,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_EP_CHUNK;
 static_assert(kChunk == kWarps * 32, "count: one token per lane step, 32 tokens per warp");
-static_assert(sizeof(moefuse_ep_params) == 264 && offsetof(moefuse_ep_params, recv_x) == 216,
+static_assert(sizeof(moefuse_ep_params) == 320 && offsetof(moefuse_ep_params, recv_x) == 216 &&
+                  offsetof(moefuse_ep_params, timeout_ns) == 264 && offsetof(moefuse_ep_params, hello) == 304,
               "moefuse_ep_params changed: update EpParams in crates/comm/src/ep/params.rs and its layout test");
 
 __device__ __forceinline__ int row_width(const moefuse_ep_params& p) { return p.experts + p.ranks; }
@@ -88,14 +101,92 @@ __device__ void last_block_signals(const moefuse_ep_params& p, uint32_t* done, u
   for (int pe = 0; pe < p.ranks; ++pe) nvshmemx_signal_op(sig + p.rank, epoch, NVSHMEM_SIGNAL_SET, pe);
 }
 
+// ---- deadlines and faults -------------------------------------------------------------
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool faulted(const moefuse_ep_params& p) {
+  return *reinterpret_cast<volatile uint64_t*>(p.fault) != 0;
+}
+
+// The first fault of the instance wins; its words reach the host-mapped copy last word
+// first, so a host that sees fault_host[0] != 0 sees the rest.
+__device__ void record_fault(const moefuse_ep_params& p, uint32_t kind, uint32_t op, int peer, uint64_t waited,
+                             uint64_t epoch) {
+  const unsigned long long code = kind | (op << 8);
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(p.fault), 0ull, code) != 0ull) return;
+  p.fault[1] = uint64_t(peer);
+  p.fault[2] = waited;
+  p.fault[3] = epoch;
+  volatile uint64_t* host = p.fault_host;
+  host[1] = uint64_t(peer);
+  host[2] = waited;
+  host[3] = epoch;
+  __threadfence_system();
+  host[0] = code;
+  __threadfence_system();
+}
+
+// Waits until `*sig >= epoch` (true), or records why not (false): an abort signal for this
+// epoch or a later one, the deadline, or a fault another thread recorded. NOTES: an abort
+// signal of an earlier epoch is stale (an instance or call that already ended) and is
+// ignored; the clock is read every 64 polls to keep the loop tight.
+__device__ bool wait_signal(const moefuse_ep_params& p, uint64_t* sig, uint64_t epoch, uint32_t op, int peer) {
+  const uint64_t start = now_ns();
+  for (uint32_t spin = 0;; ++spin) {
+    const uint64_t v = nvshmem_signal_fetch(sig);
+    if (v & MOEFUSE_EP_ABORT_BIT) {
+      if ((v & ~MOEFUSE_EP_ABORT_BIT) >= epoch) {
+        record_fault(p, MOEFUSE_EP_FAULT_ABORTED, op, peer, now_ns() - start, epoch);
+        return false;
+      }
+    } else if (v >= epoch) {
+      return true;
+    }
+    if ((spin & 63) == 63) {
+      const uint64_t waited = now_ns() - start;
+      if (waited > p.timeout_ns) {
+        record_fault(p, MOEFUSE_EP_FAULT_TIMEOUT, op, peer, waited, epoch);
+        return false;
+      }
+      if (faulted(p)) return false;
+    }
+  }
+}
+
+// Sets every peer's three signal words of this rank to an abort for `epoch`: whatever they
+// wait on for this call ends at once with MOEFUSE_EP_FAULT_ABORTED. One thread calls it.
+__device__ void abort_peers(const moefuse_ep_params& p, uint64_t epoch) {
+  const uint64_t v = MOEFUSE_EP_ABORT_BIT | epoch;
+  for (int pe = 0; pe < p.ranks; ++pe) {
+    if (pe == p.rank) continue;
+    nvshmemx_signal_op(p.meta_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_signal_op(p.disp_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_signal_op(p.comb_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
+  }
+  nvshmem_quiet();
+}
+
+// At the top of a sending kernel: true (and the peers told, once) when the instance has
+// faulted, so the kernel must return. Uniform over the grid: only earlier kernels write it.
+__device__ bool skip_send(const moefuse_ep_params& p, uint64_t epoch) {
+  if (!faulted(p)) return false;
+  if (blockIdx.x == 0 && threadIdx.x == 0) abort_peers(p, epoch);
+  return true;
+}
+
 // Called by every thread at the start of a receiving kernel: waits until every PE raised
-// `sig[pe] >= epoch`.
-__device__ void wait_all(const moefuse_ep_params& p, uint64_t* sig, uint64_t epoch) {
-  for (int pe = threadIdx.x; pe < p.ranks; pe += blockDim.x) {
-    nvshmem_signal_wait_until(sig + pe, NVSHMEM_CMP_GE, epoch);
+// `sig[pe] >= epoch`. False (for the whole block) when a wait failed: the kernel returns.
+__device__ bool wait_all(const moefuse_ep_params& p, uint64_t* sig, uint64_t epoch, uint32_t op) {
+  bool ok = !faulted(p);
+  for (int pe = threadIdx.x; ok && pe < p.ranks; pe += blockDim.x) {
+    ok = wait_signal(p, sig + pe, epoch, op, pe);
   }
   __threadfence_system();
-  __syncthreads();
+  return !__syncthreads_or(!ok);
 }
 
 // The staging row's source rank: the last s with src_base[s] <= i.
@@ -180,6 +271,11 @@ extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_notify(moefuse_ep_
     *p.epoch = epoch_s;
     p.status[0] = 0;
   }
+  __syncthreads();
+  if (faulted(p)) {
+    if (threadIdx.x == 0) abort_peers(p, epoch_s);
+    return;
+  }
   // Chunk counts -> exclusive bases per column; this rank's totals into its meta row.
   int* mine = p.meta + me * C;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
@@ -199,11 +295,12 @@ extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_notify(moefuse_ep_
                                    pe);
     }
   }
-  for (int s = threadIdx.x; s < R; s += blockDim.x) {
-    if (s != me) nvshmem_signal_wait_until(p.meta_sig + s, NVSHMEM_CMP_GE, epoch);
+  bool ok = true;
+  for (int s = threadIdx.x; ok && s < R; s += blockDim.x) {
+    if (s != me) ok = wait_signal(p, p.meta_sig + s, epoch, MOEFUSE_EP_OP_NOTIFY, s);
   }
   __threadfence_system();
-  __syncthreads();
+  if (__syncthreads_or(!ok)) return;
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) p.counts_all[i] = __ldcv(p.meta + i);
   __syncthreads();
 
@@ -246,8 +343,9 @@ extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_notify(moefuse_ep_
 // ---- dispatch: grid G, block 256 ------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
   __shared__ PeerTable peers;
-  fill_peers(peers, p);
   const uint64_t epoch = *p.epoch;
+  if (skip_send(p, epoch)) return;
+  fill_peers(peers, p);
   const int C = row_width(p), k = p.top_k, D = p.hidden;
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps;
@@ -286,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse_ep_params p) {
   __shared__ uint4* dst_rows[kWarps][kMaxTopK];
   const uint64_t epoch = *p.epoch;
-  wait_all(p, p.disp_sig, epoch);
+  if (!wait_all(p, p.disp_sig, epoch, MOEFUSE_EP_OP_EXPAND)) return;
   const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int staged = p.src_base[p.ranks];
   const int warps = gridDim.x * kWarps;
@@ -319,8 +417,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(m
   __shared__ PeerTable peers;
   __shared__ const uint4* y_rows[kWarps][kMaxTopK];
   __shared__ float y_w[kWarps][kMaxTopK];
-  fill_peers(peers, p);
   const uint64_t epoch = *p.epoch;
+  if (skip_send(p, epoch)) return;
+  fill_peers(peers, p);
   const int C = row_width(p), k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int staged = p.src_base[p.ranks];
   const int warps = gridDim.x * kWarps;
@@ -357,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(m
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_reduce(moefuse_ep_params p) {
   __shared__ const uint4* parts[kWarps][MOEFUSE_EP_MAX_RANKS];
   const uint64_t epoch = *p.epoch;
-  wait_all(p, p.comb_sig, epoch);
+  if (!wait_all(p, p.comb_sig, epoch, MOEFUSE_EP_OP_COMBINE)) return;
   const int C = row_width(p), D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warps = gridDim.x * kWarps;
   const int n = D / 8;
@@ -379,6 +478,32 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_reduce
     warp_weighted_sum(parts[warp], nullptr, n_parts, reinterpret_cast<uint4*>(p.out + size_t(t) * D), n, lane);
     __syncwarp();
   }
+}
+
+// ---- hello: grid 1, block 32 ----------------------------------------------------------
+// Row `rank` of every PE's handshake table gets this rank's record; the host brackets the
+// launch with barriers and reads its own table (no device wait).
+extern "C" __global__ void __launch_bounds__(32) moefuse_ep_hello(moefuse_ep_params p) {
+  const uint64_t record[4] = {MOEFUSE_EP_HELLO_MAGIC, p.cfg_hash, p.epoch_base, uint64_t(p.rank)};
+  uint64_t* row = p.hello + 4 * size_t(p.rank);
+  for (int pe = threadIdx.x; pe < p.ranks; pe += blockDim.x) {
+    for (int w = 0; w < 4; ++w) nvshmem_uint64_p(row + w, record[w], pe);
+  }
+  nvshmem_quiet();
+}
+
+// ---- abort: grid 1, block 32 ----------------------------------------------------------
+// A host-side error ended this rank's part of the call: record it here (so later kernels of
+// the instance do nothing) and send abort signals for the epoch the peers wait on. In the
+// dispatch stage that is the next epoch, which this rank takes too.
+extern "C" __global__ void __launch_bounds__(32) moefuse_ep_abort(moefuse_ep_params p) {
+  if (threadIdx.x != 0) return;
+  const bool dispatching = p.abort_stage == 0;
+  const uint64_t epoch = *p.epoch + (dispatching ? 1 : 0);
+  *p.epoch = epoch;
+  record_fault(p, MOEFUSE_EP_FAULT_LOCAL_ABORT, dispatching ? MOEFUSE_EP_OP_NOTIFY : MOEFUSE_EP_OP_COMBINE, p.rank, 0,
+               epoch);
+  abort_peers(p, epoch);
 }
 
 #endif

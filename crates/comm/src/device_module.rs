@@ -158,3 +158,93 @@ impl Drop for DeviceModule {
         }
     }
 }
+
+/// A few `u64` words of pinned host memory mapped into the device's address space: the
+/// kernels write them, the host reads them at any time without synchronising a stream.
+pub(crate) struct HostWords {
+    host: *mut u64,
+    device: u64,
+    len: usize,
+}
+
+// SAFETY: the words are plain pinned host memory owned by this value; reads and writes go
+// through volatile accesses, and the allocation is freed once, by Drop.
+unsafe impl Send for HostWords {}
+// SAFETY: as above; `&self` methods only read.
+unsafe impl Sync for HostWords {}
+
+impl HostWords {
+    /// `len` zeroed words, mapped for the device of `rt`'s context.
+    pub(crate) fn new(rt: &Runtime, len: usize) -> Result<Self, CommError> {
+        rt.context().bind_to_thread().map_err(cuda)?;
+        let bytes = len.max(1) * std::mem::size_of::<u64>();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a fresh allocation of `bytes`; zeroed below before anyone reads it.
+        let host = unsafe { result::malloc_host(bytes, flags) }.map_err(cuda)? as *mut u64;
+        let words = HostWords {
+            host,
+            device: 0,
+            len,
+        };
+        // SAFETY: `host` points to `bytes` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP on the bound context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host as *mut c_void, 0) }
+            .result()
+            .map_err(cuda)?;
+        Ok(HostWords {
+            device: device as u64,
+            ..words
+        })
+    }
+
+    /// The device address of word 0.
+    pub(crate) fn device_ptr(&self) -> u64 {
+        self.device
+    }
+
+    /// Word `i`, as the device last wrote it.
+    pub(crate) fn read(&self, i: usize) -> u64 {
+        assert!(i < self.len, "word {i} of {}", self.len);
+        // SAFETY: `i` is inside the live allocation; volatile because the device writes it.
+        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+    }
+}
+
+impl Drop for HostWords {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc in `new`, freed once; its users (kernels of
+        // the owner) have finished: the owner synchronises its stream before dropping this.
+        if let Err(e) = unsafe { result::free_host(self.host as *mut c_void) } {
+            tracing::warn!(%e, "cuMemFreeHost failed");
+        }
+    }
+}
+
+/// The ordinal of the device whose memory holds `addr`, or `None` when the driver does not
+/// know `addr` as device memory.
+pub(crate) fn device_of(addr: u64) -> Option<usize> {
+    let mut ordinal: i32 = -1;
+    // SAFETY: the attribute is an int written to `ordinal`; an unknown address is reported
+    // as an error, never dereferenced.
+    let status = unsafe {
+        sys::cuPointerGetAttribute(
+            &mut ordinal as *mut i32 as *mut c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            addr as sys::CUdeviceptr,
+        )
+    };
+    (status == sys::CUresult::CUDA_SUCCESS && ordinal >= 0).then_some(ordinal as usize)
+}
+
+/// True once every piece of work queued on `stream` has finished.
+pub(crate) fn stream_idle(stream: &CudaStream) -> Result<bool, CommError> {
+    stream.context().bind_to_thread().map_err(cuda)?;
+    // SAFETY: `stream` is a live stream of a live context (the Arc keeps both).
+    match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(cuda(result::DriverError(other))),
+    }
+}

@@ -14,7 +14,15 @@
 //!
 //! The runtime side ([`Library`], [`UniqueId`], [`Runtime`], [`SymmetricBuffer`]) wraps
 //! NVSHMEM through `nvshmem-sys`: bootstrap by unique id, symmetric allocation with
-//! lifetimes tied to the runtime, peer pointers, stream-ordered barriers.
+//! lifetimes tied to the runtime, peer pointers, stream-ordered barriers. Process launch and
+//! the rendezvous that hands every rank the unique id are `moefuse-launch`'s, re-exported
+//! here ([`launch`], [`LaunchEnv`], [`exchange_unique_id`]).
+//!
+//! [`ExpertParallel`] runs dispatch and combine on the GPU. No rank can hang another:
+//! every device wait on a peer has a deadline ([`EpConfig::timeout`]), a rank that fails
+//! inside a collective tells its peers, and every rank then gets a typed error
+//! ([`CommError::PeerTimeout`], [`CommError::PeerAborted`]); the ranks' configurations are
+//! compared at construction ([`CommError::ConfigMismatch`]).
 //!
 //! ```
 //! use moefuse_comm::{Placement, SendPlan, ReceiveLayout};
@@ -29,7 +37,6 @@
 mod bootstrap;
 mod device_module;
 mod ep;
-mod launcher;
 mod modules;
 mod plan;
 mod raw;
@@ -39,10 +46,13 @@ mod stream_ops;
 mod team;
 
 pub use bootstrap::{
-    broadcast_from_rank0, exchange_unique_id, LaunchEnv, Rendezvous, RendezvousServer,
+    broadcast_from_rank0, exchange_unique_id, launch, LaunchEnv, LaunchError, LaunchEvent,
+    LaunchSpec, OutputStream, Rendezvous, RendezvousServer, ServerLimits, Token,
+    DEFAULT_LAUNCH_TIMEOUT,
 };
-pub use ep::{Dispatch, EpConfig, ExpertParallel, RoutingFlags, MAX_EXPERTS, MAX_RANKS};
-pub use launcher::{launch, LaunchEvent, LaunchSpec, OutputStream};
+pub use ep::{
+    Dispatch, EpConfig, ExpertParallel, RoutingFlags, DEFAULT_EP_TIMEOUT, MAX_EXPERTS, MAX_RANKS,
+};
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
 pub use runtime::{Library, Runtime, SymmetricBuffer, UniqueId};
@@ -199,28 +209,93 @@ pub enum CommError {
         /// The sizing inputs.
         top_k: usize,
     },
-    /// Process bootstrap failed: a malformed launch variable (named), or a rendezvous request
-    /// (address, key and what went wrong).
-    #[error("bootstrap: {0}")]
-    Bootstrap(String),
-    /// A launched rank exited unsuccessfully; the launcher then stopped the others.
-    #[error(
-        "rank {rank} of {world_size} failed first ({status}); ranks still running were stopped"
-    )]
-    RankFailed {
-        /// The first rank that failed.
+    /// Launching processes or the rendezvous failed (moefuse-launch's error).
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// A peer built its `ExpertParallel` with other sizes: its writes would land past this
+    /// rank's buffers, so no rank goes on (every rank reports the first peer that differs).
+    #[error("rank {rank}: rank {peer}'s EpConfig differs (hash {theirs:#018x}, ours {ours:#018x}); every rank must pass the same experts, top_k, hidden and max_tokens")]
+    ConfigMismatch {
+        /// This rank.
         rank: usize,
-        /// Ranks launched.
-        world_size: usize,
-        /// Its exit status or signal.
-        status: String,
+        /// The first rank whose configuration differs.
+        peer: usize,
+        /// This rank's configuration hash.
+        ours: u64,
+        /// The peer's.
+        theirs: u64,
     },
-    /// A launch ran past its timeout and the ranks still running were killed.
-    #[error("the launch timed out after {secs} s; killed ranks {running:?}, still running")]
-    LaunchTimeout {
-        /// The timeout.
-        secs: u64,
-        /// The ranks killed.
-        running: Vec<usize>,
+    /// A peer's handshake record never reached this rank during `ExpertParallel::new`.
+    #[error("rank {rank}: rank {peer} sent no handshake during ExpertParallel::new")]
+    HandshakeMissing {
+        /// This rank.
+        rank: usize,
+        /// The silent peer.
+        peer: usize,
+    },
+    /// A device wait on a peer passed its deadline (`EpConfig::timeout`): the peer is dead,
+    /// slow, or did not make the same call. The instance is unusable afterwards.
+    #[error("{op}: rank {peer} did not answer within {waited:?}; build a new ExpertParallel on every rank to go on")]
+    PeerTimeout {
+        /// The wait.
+        op: &'static str,
+        /// The peer waited on.
+        peer: usize,
+        /// How long the kernel waited.
+        waited: std::time::Duration,
+    },
+    /// A peer abandoned the call after an error of its own (its error says which). The
+    /// instance is unusable afterwards.
+    #[error("{op}: rank {peer} abandoned the call after an error on its side; build a new ExpertParallel on every rank to go on")]
+    PeerAborted {
+        /// The wait.
+        op: &'static str,
+        /// The peer that aborted.
+        peer: usize,
+    },
+    /// The instance failed earlier (a timeout, an abort, or a local error inside a
+    /// collective) and refuses further collectives.
+    #[error(
+        "this ExpertParallel failed earlier ({cause}); drop it and build a new one on every rank"
+    )]
+    Poisoned {
+        /// What failed first.
+        cause: String,
+    },
+    /// The host waited longer than any device deadline allows for the stream to finish.
+    #[error("{op}: the stream did not finish within {waited:?}")]
+    HostTimeout {
+        /// What waited.
+        op: &'static str,
+        /// How long.
+        waited: std::time::Duration,
+    },
+    /// A caller buffer's address is not aligned as the kernels load it.
+    #[error("{what} at {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        /// Which buffer.
+        what: &'static str,
+        /// Its device address.
+        addr: u64,
+        /// The alignment the kernels need.
+        align: usize,
+    },
+    /// A caller buffer lives on another device than the runtime's.
+    #[error("{what} lives on device {found}; the runtime runs on device {expected}")]
+    WrongDevice {
+        /// Which buffer.
+        what: &'static str,
+        /// The runtime's device ordinal.
+        expected: usize,
+        /// The buffer's.
+        found: usize,
+    },
+    /// A caller buffer's address is not device memory the driver knows.
+    #[error("{what} at {addr:#x} is not CUDA device memory")]
+    NotDeviceMemory {
+        /// Which buffer.
+        what: &'static str,
+        /// Its address.
+        addr: u64,
     },
 }

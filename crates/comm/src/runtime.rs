@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use nvshmem_sys::{nvshmemx_uniqueid_t, NvshmemHost};
 use std::marker::PhantomData;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 static INITIALISED: AtomicBool = AtomicBool::new(false);
@@ -29,16 +29,23 @@ impl Library {
     /// ```
     pub fn load(explicit: Option<&Path>) -> Result<Self, CommError> {
         let lib = nvshmem_sys::load(explicit).map_err(|e| CommError::Library(e.to_string()))?;
-        let found = raw::vendor_version(&lib);
-        let (a, b, c) = nvshmem_sys::bound_version();
-        if (found.0 as u32, found.1 as u32) != (a, b) {
-            return Err(CommError::Version {
-                found: format!("{}.{}.{}", found.0, found.1, found.2),
-                bound: format!("{a}.{b}.{c}"),
-            });
-        }
+        check_version(raw::vendor_version(&lib), nvshmem_sys::bound_version())?;
         Ok(Library(Arc::new(lib)))
     }
+}
+
+/// The loaded library must be exactly the bound version, patch included: the device
+/// modules are linked against that release's device library, and NVSHMEM's host/device
+/// contract is only promised within one release.
+fn check_version(found: (i32, i32, i32), bound: (u32, u32, u32)) -> Result<(), CommError> {
+    let (a, b, c) = bound;
+    if (found.0 as i64, found.1 as i64, found.2 as i64) != (a as i64, b as i64, c as i64) {
+        return Err(CommError::Version {
+            found: format!("{}.{}.{}", found.0, found.1, found.2),
+            bound: format!("{a}.{b}.{c}"),
+        });
+    }
+    Ok(())
 }
 
 /// The bootstrap secret every rank passes to [`Runtime::init`]: created by one rank, sent
@@ -95,6 +102,9 @@ pub struct Runtime {
     ctx: Arc<CudaContext>,
     rank: usize,
     ranks: usize,
+    /// The largest signal epoch any expert-parallel instance of this runtime used: the next
+    /// instance proposes it as its base, so epochs never restart (see `ExpertParallel::new`).
+    epoch_floor: AtomicU64,
 }
 
 impl Runtime {
@@ -176,6 +186,7 @@ impl Runtime {
                 ctx: ctx.clone(),
                 rank: me,
                 ranks: n,
+                epoch_floor: AtomicU64::new(0),
             }))
         })();
         if result.is_err() {
@@ -201,6 +212,16 @@ impl Runtime {
 
     pub(crate) fn host(&self) -> &NvshmemHost {
         &self.lib.0
+    }
+
+    /// The largest epoch an expert-parallel instance of this runtime has used.
+    pub(crate) fn epoch_floor(&self) -> u64 {
+        self.epoch_floor.load(Ordering::SeqCst)
+    }
+
+    /// Records that epochs up to `epoch` were used (never lowers the floor).
+    pub(crate) fn raise_epoch_floor(&self, epoch: u64) {
+        self.epoch_floor.fetch_max(epoch, Ordering::SeqCst);
     }
 
     /// PEs sharing this PE's GPU (NVSHMEM's `NVSHMEMI_TEAM_SAME_GPU`): more than one means
@@ -356,6 +377,21 @@ mod tests {
             UniqueId::from_hex(&text[..200]),
             Err(CommError::UniqueIdText(_))
         ));
+    }
+
+    #[test]
+    fn the_version_check_compares_the_patch_too() {
+        assert!(check_version((3, 4, 5), (3, 4, 5)).is_ok());
+        for found in [(3, 4, 6), (3, 4, 0), (3, 5, 5), (2, 4, 5)] {
+            assert_eq!(
+                check_version(found, (3, 4, 5)),
+                Err(CommError::Version {
+                    found: format!("{}.{}.{}", found.0, found.1, found.2),
+                    bound: "3.4.5".into()
+                }),
+                "{found:?}"
+            );
+        }
     }
 
     #[test]

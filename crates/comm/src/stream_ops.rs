@@ -1,5 +1,6 @@
 //! Stream-ordered one-sided operations on symmetric buffers: put (with an optional
-//! signal), get, wait on a signal, quiet. Every call checks ranges and PEs first.
+//! signal), get, wait on a signal, quiet. Every call checks ranges, PEs, and that the
+//! caller's buffer is device memory of the runtime's device, first.
 
 use crate::{raw, CommError, SymmetricBuffer};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
@@ -24,6 +25,26 @@ pub struct Signal<'a> {
     pub value: u64,
     /// Update.
     pub op: SignalOp,
+}
+
+/// The caller's side of a transfer (`len` elements; none: not looked at) must be device
+/// memory on the runtime's device.
+fn on_runtime_device(
+    rt: &crate::Runtime,
+    what: &'static str,
+    addr: u64,
+    len: usize,
+) -> Result<(), CommError> {
+    if len == 0 {
+        return Ok(());
+    }
+    crate::ep::guard::check_operand(
+        what,
+        addr,
+        1,
+        crate::device_module::device_of(addr),
+        rt.context().ordinal(),
+    )
 }
 
 fn range<T>(buf: &SymmetricBuffer<T>, offset: usize, len: usize) -> Result<(), CommError> {
@@ -87,6 +108,7 @@ impl<T: Copy> SymmetricBuffer<T> {
             None => (std::ptr::null_mut(), 0, 0),
         };
         let (src_ptr, _guard) = src.device_ptr(stream);
+        on_runtime_device(self.runtime(), "put_on_stream source", src_ptr, src.len())?;
         let bytes = src.len() * std::mem::size_of::<T>();
         let dst = (self.device_ptr() + (offset * std::mem::size_of::<T>()) as u64) as *mut c_void;
         // SAFETY: the ranges and the PE were checked; src is device memory of `bytes` kept
@@ -122,6 +144,7 @@ impl<T: Copy> SymmetricBuffer<T> {
         range(self, offset, dst.len())?;
         let bytes = dst.len() * std::mem::size_of::<T>();
         let (dst_ptr, _guard) = dst.device_ptr_mut(stream);
+        on_runtime_device(self.runtime(), "get_on_stream destination", dst_ptr, bytes)?;
         let src = (self.device_ptr() + (offset * std::mem::size_of::<T>()) as u64) as *const c_void;
         // SAFETY: as for put_on_stream, with the roles swapped.
         unsafe {

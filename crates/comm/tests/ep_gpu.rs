@@ -257,12 +257,7 @@ fn all_cases(
     let mut done = Vec::new();
     for case in cases() {
         if !eps.iter().any(|(k, _)| *k == case.top_k) {
-            let cfg = EpConfig {
-                experts: EXPERTS,
-                top_k: case.top_k,
-                hidden: HIDDEN,
-                max_tokens: MAX_TOKENS,
-            };
+            let cfg = EpConfig::new(EXPERTS, case.top_k, HIDDEN, MAX_TOKENS);
             eps.push((case.top_k, ExpertParallel::new(rt, stream, cfg).map_err(e)?));
         }
         let ep = &mut eps
@@ -446,12 +441,7 @@ fn graph_replay_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
         last_rank_empty: false,
     };
     let (t, k) = (case.tokens, case.top_k);
-    let cfg = EpConfig {
-        experts: EXPERTS,
-        top_k: k,
-        hidden: HIDDEN,
-        max_tokens: MAX_TOKENS,
-    };
+    let cfg = EpConfig::new(EXPERTS, k, HIDDEN, MAX_TOKENS);
     let mut ep = ExpertParallel::new(&s.rt, stream, cfg).map_err(e)?;
     let place = ep.placement();
     let seed = Rng::fresh_seed();
@@ -529,12 +519,7 @@ fn graph_replay_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
 fn misuse_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let s = shared(ctx)?;
     let stream = &s.stream;
-    let base = EpConfig {
-        experts: EXPERTS,
-        top_k: 4,
-        hidden: HIDDEN,
-        max_tokens: 64,
-    };
+    let base = EpConfig::new(EXPERTS, 4, HIDDEN, 64);
     for (bad, what) in [
         (
             EpConfig {

@@ -10,24 +10,49 @@
 //!
 //! Precision: each destination sums its slots' `w · y` in fp32 and sends the partial in
 //! bf16; the source sums the partials in fp32 in rank order and writes bf16. Deterministic.
+//!
+//! Failure: no rank waits forever on another.
+//! 1. Construction compares every rank's configuration ([`CommError::ConfigMismatch`]).
+//! 2. Every device wait on a peer ends at [`EpConfig::timeout`]; the kernel records a fault
+//!    and exits (no trap: the context stays usable).
+//! 3. A rank that fails inside a collective on the host (a short buffer, a capacity error,
+//!    a [`Dispatch`] dropped without [`Dispatch::combine`]) sends abort signals, so its
+//!    peers fail at once ([`CommError::PeerAborted`]) instead of at their deadline.
+//! 4. Faults are sticky and reach the host through mapped memory: the next `dispatch`,
+//!    `combine`, [`ExpertParallel::synchronize`], [`Dispatch::received_rows`] or
+//!    [`ExpertParallel::take_flags`] returns the typed error ([`CommError::PeerTimeout`],
+//!    [`CommError::PeerAborted`], [`CommError::Poisoned`]). Drop the instance on every rank
+//!    and build a new one: its signal epochs start above any the old one used, so late
+//!    signals of the old exchange cannot satisfy the new one's waits.
 
+mod dispatch;
+pub(crate) mod guard;
 mod params;
+mod setup;
 
-use crate::device_module::{DeviceModule, Kernel};
-use crate::{Capacity, CommError, Placement, Runtime, SymmetricBuffer};
-use cudarc::driver::{
-    result, sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
-};
+pub use dispatch::Dispatch;
+
+use crate::device_module::{self, DeviceModule, HostWords, Kernel};
+use crate::{CommError, Placement, Runtime, SymmetricBuffer};
+use cudarc::driver::{result, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
-use params::EpParams;
+use params::{EpParams, FAULT_WORDS};
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-/// Sizes of an expert-parallel exchange, the same on every rank.
+/// How long a device wait on a peer lasts by default ([`EpConfig::timeout`]).
+pub const DEFAULT_EP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Sizes of an expert-parallel exchange, the same on every rank (compared at construction),
+/// and how long a wait on a peer may last.
 ///
 /// ```
-/// let cfg = moefuse_comm::EpConfig { experts: 128, top_k: 8, hidden: 2048, max_tokens: 4096 };
+/// use moefuse_comm::EpConfig;
+/// let cfg = EpConfig::new(128, 8, 2048, 4096);
 /// assert!(cfg.check(8).is_ok());
-/// assert!(moefuse_comm::EpConfig { hidden: 2050, ..cfg }.check(8).is_err());
+/// assert!(EpConfig { hidden: 2050, ..cfg }.check(8).is_err());
+/// assert_eq!(cfg.timeout, moefuse_comm::DEFAULT_EP_TIMEOUT);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EpConfig {
@@ -39,6 +64,9 @@ pub struct EpConfig {
     pub hidden: usize,
     /// Most tokens a rank dispatches in one call; every buffer is sized from it.
     pub max_tokens: usize,
+    /// The deadline of every device wait on a peer (1 ms to 1 h; not compared across
+    /// ranks). A wait that reaches it ends the call with [`CommError::PeerTimeout`].
+    pub timeout: Duration,
 }
 
 /// Largest world the count kernel's shared memory is sized for.
@@ -47,7 +75,29 @@ pub const MAX_RANKS: usize = 64;
 pub const MAX_EXPERTS: usize = 512;
 
 impl EpConfig {
+    /// The sizes, with [`DEFAULT_EP_TIMEOUT`].
+    ///
+    /// ```
+    /// let cfg = moefuse_comm::EpConfig::new(16, 4, 1024, 2048);
+    /// assert_eq!((cfg.experts, cfg.top_k, cfg.hidden, cfg.max_tokens), (16, 4, 1024, 2048));
+    /// ```
+    pub const fn new(experts: usize, top_k: usize, hidden: usize, max_tokens: usize) -> Self {
+        EpConfig {
+            experts,
+            top_k,
+            hidden,
+            max_tokens,
+            timeout: DEFAULT_EP_TIMEOUT,
+        }
+    }
+
     /// Checks the sizes for a world of `ranks`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let cfg = moefuse_comm::EpConfig::new(16, 4, 1024, 2048);
+    /// assert!(moefuse_comm::EpConfig { timeout: Duration::ZERO, ..cfg }.check(2).is_err());
+    /// ```
     pub fn check(&self, ranks: usize) -> Result<Placement, CommError> {
         let bad = |what: &'static str, value: usize, rule: &'static str| {
             Err(CommError::Config { what, value, rule })
@@ -67,6 +117,14 @@ impl EpConfig {
         }
         if self.max_tokens == 0 || self.max_tokens > 1 << 20 {
             return bad("max_tokens", self.max_tokens, "1..=1048576");
+        }
+        let ms = self.timeout.as_millis();
+        if !(1..=3_600_000).contains(&ms) {
+            return bad(
+                "timeout (ms)",
+                ms.min(usize::MAX as u128) as usize,
+                "1..=3600000",
+            );
         }
         Placement::new(self.experts, ranks)
     }
@@ -92,6 +150,7 @@ struct Symmetric {
     disp_sig: SymmetricBuffer<u64>,
     comb_x: SymmetricBuffer<u16>,
     comb_sig: SymmetricBuffer<u64>,
+    hello: SymmetricBuffer<u64>,
 }
 
 struct Local {
@@ -106,6 +165,7 @@ struct Local {
     comb_base: CudaSlice<i32>,
     src_base: CudaSlice<i32>,
     status: CudaSlice<u32>,
+    fault: CudaSlice<u64>,
     recv_x: CudaSlice<bf16>,
     recv_offsets: CudaSlice<i32>,
     recv_w: CudaSlice<f32>,
@@ -119,6 +179,7 @@ struct Kernels {
     expand: Kernel,
     combine_send: Kernel,
     combine_reduce: Kernel,
+    abort: Kernel,
 }
 
 /// Expert-parallel dispatch/combine for one rank (see the module docs).
@@ -129,26 +190,31 @@ struct Kernels {
 /// #         x: &cudarc::driver::CudaSlice<half::bf16>, ids: &cudarc::driver::CudaSlice<i32>,
 /// #         w: &cudarc::driver::CudaSlice<f32>, y: &cudarc::driver::CudaSlice<half::bf16>,
 /// #         out: &mut cudarc::driver::CudaSlice<half::bf16>) -> Result<(), CommError> {
-/// let cfg = EpConfig { experts: 128, top_k: 8, hidden: 2048, max_tokens: 4096 };
+/// let cfg = EpConfig::new(128, 8, 2048, 4096);
 /// let mut ep = ExpertParallel::new(rt, stream, cfg)?;
 /// let d = ep.dispatch(x, ids, w, 4096)?;       // collective
 /// // ... grouped GEMMs over d.x() with d.offsets(), writing y in the same row order ...
 /// d.combine(y, out)?;                            // collective
+/// ep.synchronize()?;                             // a peer's failure surfaces here at the latest
 /// # Ok(()) }
 /// ```
 pub struct ExpertParallel {
     cfg: EpConfig,
     place: Placement,
     rank: usize,
+    device: usize,
     stream: Arc<CudaStream>,
     grid: u32,
     base: EpParams,
     kernels: Kernels,
-    // Field order is drop order: buffers before the module, the module before the runtime.
+    /// Why this rank abandoned a collective (a host-side error), if it did.
+    broken: Option<String>,
     local: Local,
-    #[allow(dead_code)] // held for its lifetime: the kernels address it through `base`
-    sym: Symmetric,
-    module: DeviceModule,
+    // Freed by Drop, in this order, once the stream is idle (leaked if it never is): the
+    // kernels address them through `base`.
+    sym: ManuallyDrop<Symmetric>,
+    fault_host: ManuallyDrop<HostWords>,
+    module: ManuallyDrop<DeviceModule>,
     runtime: Arc<Runtime>,
 }
 
@@ -170,137 +236,6 @@ fn zeros<T: DeviceRepr + ValidAsZeroBits>(
 }
 
 impl ExpertParallel {
-    /// Allocates every buffer (collective: all ranks call it with the same `cfg`) and loads
-    /// the kernels. All later calls run on `stream`.
-    pub fn new(
-        runtime: &Arc<Runtime>,
-        stream: &Arc<CudaStream>,
-        cfg: EpConfig,
-    ) -> Result<Self, CommError> {
-        let (ranks, rank) = (runtime.ranks(), runtime.rank());
-        let place = cfg.check(ranks)?;
-        let module = DeviceModule::load(runtime, "ep")?;
-        let kernels = Kernels {
-            count: module.kernel("moefuse_ep_count")?,
-            notify: module.kernel("moefuse_ep_notify")?,
-            dispatch: module.kernel("moefuse_ep_dispatch")?,
-            expand: module.kernel("moefuse_ep_expand")?,
-            combine_send: module.kernel("moefuse_ep_combine_send")?,
-            combine_reduce: module.kernel("moefuse_ep_combine_reduce")?,
-        };
-        let (e, k, d, t) = (cfg.experts, cfg.top_k, cfg.hidden, cfg.max_tokens);
-        let c = e + ranks;
-        let cap = Capacity {
-            max_tokens: t,
-            top_k: k,
-            place,
-        };
-        let staged = cap.staging_rows();
-        let rows = cap.expert_rows();
-        let comb_rows = t * k.min(ranks);
-        let sym = Symmetric {
-            meta: runtime.alloc(ranks * c)?,
-            meta_sig: runtime.alloc(ranks)?,
-            stage_x: runtime.alloc(staged * d)?,
-            stage_info: runtime.alloc(staged * (k + 1))?,
-            stage_w: runtime.alloc(staged * k)?,
-            disp_sig: runtime.alloc(ranks)?,
-            comb_x: runtime.alloc(comb_rows * d)?,
-            comb_sig: runtime.alloc(ranks)?,
-        };
-        // Signals must start at zero on every rank before any peer can raise one.
-        for (p, bytes) in [
-            (sym.meta_sig.device_ptr(), ranks * 8),
-            (sym.disp_sig.device_ptr(), ranks * 8),
-            (sym.comb_sig.device_ptr(), ranks * 8),
-        ] {
-            // SAFETY: `p` is a live symmetric allocation of at least `bytes` bytes.
-            unsafe { result::memset_d8_async(p as sys::CUdeviceptr, 0, bytes, stream.cu_stream()) }
-                .map_err(cuda)?;
-        }
-        let local = Local {
-            epoch: zeros(stream, 1)?,
-            done: zeros(stream, 2)?,
-            chunk_cnt: zeros(stream, t.div_ceil(params::CHUNK) * c)?,
-            pos_local: zeros(stream, t * k)?,
-            tokpos: zeros(stream, t * ranks)?,
-            counts_all: zeros(stream, ranks * c)?,
-            dest_row_base: zeros(stream, e)?,
-            stage_base: zeros(stream, ranks)?,
-            comb_base: zeros(stream, ranks)?,
-            src_base: zeros(stream, ranks + 1)?,
-            status: zeros(stream, 2)?,
-            recv_x: zeros(stream, rows * d)?,
-            recv_offsets: zeros(stream, place.per_rank())?,
-            recv_w: zeros(stream, rows)?,
-            recv_origin: zeros(stream, rows * 3)?,
-        };
-        runtime.barrier_on_stream(stream);
-        stream.synchronize().map_err(cuda)?;
-        let s = stream.as_ref();
-        let base = EpParams {
-            ranks: ranks as i32,
-            rank: rank as i32,
-            experts: e as i32,
-            local_experts: place.per_rank() as i32,
-            top_k: k as i32,
-            hidden: d as i32,
-            tokens: 0,
-            max_tokens: t as i32,
-            recv_rows_cap: rows as i64,
-            meta: sym.meta.device_ptr(),
-            meta_sig: sym.meta_sig.device_ptr(),
-            stage_x: sym.stage_x.device_ptr(),
-            stage_info: sym.stage_info.device_ptr(),
-            stage_w: sym.stage_w.device_ptr(),
-            disp_sig: sym.disp_sig.device_ptr(),
-            comb_x: sym.comb_x.device_ptr(),
-            comb_sig: sym.comb_sig.device_ptr(),
-            epoch: ptr(&local.epoch, s),
-            done: ptr(&local.done, s),
-            chunk_cnt: ptr(&local.chunk_cnt, s),
-            pos_local: ptr(&local.pos_local, s),
-            tokpos: ptr(&local.tokpos, s),
-            counts_all: ptr(&local.counts_all, s),
-            dest_row_base: ptr(&local.dest_row_base, s),
-            stage_base: ptr(&local.stage_base, s),
-            comb_base: ptr(&local.comb_base, s),
-            src_base: ptr(&local.src_base, s),
-            status: ptr(&local.status, s),
-            recv_x: ptr(&local.recv_x, s),
-            recv_offsets: ptr(&local.recv_offsets, s),
-            recv_w: ptr(&local.recv_w, s),
-            recv_origin: ptr(&local.recv_origin, s),
-            ..EpParams::default()
-        };
-        // Two 256-thread blocks per SM: 16 warps, each with 4 row loads per lane in flight.
-        let grid = 2 * runtime
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(cuda)? as u32;
-        tracing::debug!(
-            rank,
-            ranks,
-            ?cfg,
-            staged,
-            rows,
-            "expert-parallel buffers ready"
-        );
-        Ok(ExpertParallel {
-            cfg,
-            place,
-            rank,
-            stream: stream.clone(),
-            grid,
-            base,
-            kernels,
-            local,
-            sym,
-            module,
-            runtime: runtime.clone(),
-        })
-    }
-
     /// The sizes this exchange was built for.
     pub fn config(&self) -> EpConfig {
         self.cfg
@@ -327,61 +262,139 @@ impl ExpertParallel {
         self.local.recv_w.len()
     }
 
-    /// Sends `tokens` rows of `x` (`[tokens, hidden]` bf16) to the owners of their experts
-    /// (`topk_ids`, `topk_weights`: `[tokens, top_k]`). Collective. Errors before any launch
-    /// when a buffer is short or `tokens` exceeds the capacity.
-    pub fn dispatch<X, I, W>(
-        &mut self,
-        x: &X,
-        topk_ids: &I,
-        topk_weights: &W,
-        tokens: usize,
-    ) -> Result<Dispatch<'_>, CommError>
-    where
-        X: DevicePtr<bf16>,
-        I: DevicePtr<i32>,
-        W: DevicePtr<f32>,
-    {
-        let cap = Capacity {
-            max_tokens: self.cfg.max_tokens,
-            top_k: self.cfg.top_k,
-            place: self.place,
-        };
-        cap.check_dispatch(tokens, self.cfg.top_k)?;
-        let (k, d) = (self.cfg.top_k, self.cfg.hidden);
-        check_len("x", x.len(), tokens * d)?;
-        check_len("topk_ids", topk_ids.len(), tokens * k)?;
-        check_len("topk_weights", topk_weights.len(), tokens * k)?;
-        let s = self.stream.clone();
-        let (xp, _xs) = x.device_ptr(&s);
-        let (ip, _is) = topk_ids.device_ptr(&s);
-        let (wp, _ws) = topk_weights.device_ptr(&s);
+    /// The typed error of a fault this instance recorded, without waiting for the stream
+    /// (the kernels write it to mapped host memory); `Ok` while none is known.
+    ///
+    /// ```no_run
+    /// # fn demo(ep: &moefuse_comm::ExpertParallel) {
+    /// if let Err(e) = ep.check() {
+    ///     eprintln!("the exchange failed: {e}");
+    /// }
+    /// # }
+    /// ```
+    pub fn check(&self) -> Result<(), CommError> {
+        let mut words = [0u64; FAULT_WORDS];
+        words[0] = self.fault_host.read(0);
+        if words[0] != 0 {
+            for (i, w) in words.iter_mut().enumerate().skip(1) {
+                *w = self.fault_host.read(i);
+            }
+            if let Some(e) = guard::decode_fault(words) {
+                return Err(e);
+            }
+        }
+        match &self.broken {
+            Some(cause) => Err(CommError::Poisoned {
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for this instance's stream work (at most past every device deadline, then
+    /// [`CommError::HostTimeout`]) and returns the fault it recorded, if any: after a
+    /// peer's failure every rank returns a typed error here.
+    ///
+    /// ```no_run
+    /// # fn demo(ep: &moefuse_comm::ExpertParallel) -> Result<(), moefuse_comm::CommError> {
+    /// ep.synchronize()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn synchronize(&self) -> Result<(), CommError> {
+        self.wait_idle("synchronize")?;
+        self.check()
+    }
+
+    /// The epoch of the last call (synchronises): it starts above every epoch an earlier
+    /// instance of the runtime used, on any rank, and grows by one per dispatch.
+    ///
+    /// ```no_run
+    /// # fn demo(ep: &moefuse_comm::ExpertParallel) -> Result<(), moefuse_comm::CommError> {
+    /// let before = ep.epoch()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn epoch(&self) -> Result<u64, CommError> {
+        self.wait_idle("epoch")?;
+        Ok(self.stream.clone_dtoh(&self.local.epoch).map_err(cuda)?[0])
+    }
+
+    /// Polls the stream until it is idle, for at most `guard::host_deadline`.
+    fn wait_idle(&self, op: &'static str) -> Result<(), CommError> {
+        let t0 = Instant::now();
+        let limit = guard::host_deadline(self.cfg.timeout);
+        let mut nap = Duration::from_micros(20);
+        while !device_module::stream_idle(&self.stream)? {
+            if t0.elapsed() > limit {
+                return Err(CommError::HostTimeout {
+                    op,
+                    waited: t0.elapsed(),
+                });
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
+        }
+        Ok(())
+    }
+
+    /// A caller's device buffer the kernels read or write (`used` elements of it) must be
+    /// aligned as they load it and live on the runtime's device (a misaligned or foreign
+    /// pointer would kill the context and leave the peers waiting). An unused one (no
+    /// tokens) is not looked at.
+    fn operand(
+        &self,
+        what: &'static str,
+        addr: u64,
+        align: usize,
+        used: usize,
+    ) -> Result<(), CommError> {
+        if used == 0 {
+            return Ok(());
+        }
+        guard::check_operand(
+            what,
+            addr,
+            align,
+            device_module::device_of(addr),
+            self.device,
+        )
+    }
+
+    /// This rank gives up the current collective after `cause`: its peers are told (abort
+    /// signals for the epoch they wait on) and the instance refuses further calls. One PE
+    /// has no peer to tell and stays usable.
+    fn abandon(&mut self, stage: i32, cause: &CommError) {
+        if self.place.ranks() == 1 {
+            return;
+        }
+        if self.broken.is_none() {
+            self.broken = Some(cause.to_string());
+        }
         let p = EpParams {
-            tokens: tokens as i32,
-            x: xp,
-            topk_ids: ip,
-            topk_weights: wp,
+            abort_stage: stage,
             ..self.base
         };
-        let chunks = tokens.div_ceil(params::CHUNK).max(1) as u32;
-        let count_smem = (8 * (self.cfg.experts + self.place.ranks() + 32 * k) * 4) as u32;
-        let kn = &self.kernels;
-        // SAFETY: `p` mirrors `moefuse_ep_params` (layout test); its buffers are owned by
-        // `self` and sized from the config, the caller's were checked above and are kept
-        // alive by their guards until the launches are queued (stream order does the rest).
-        unsafe {
+        // SAFETY: `p` mirrors `moefuse_ep_params`; the abort kernel touches only the
+        // epoch, fault words and signal buffers, all owned by `self`.
+        let launched = unsafe {
             self.module
-                .launch(kn.count, &s, chunks, 256, count_smem, &p)?;
-            self.module.launch(kn.notify, &s, 1, 1024, 0, &p)?;
-            self.module.launch(kn.dispatch, &s, self.grid, 256, 0, &p)?;
-            self.module.launch(kn.expand, &s, self.grid, 256, 0, &p)?;
+                .launch(self.kernels.abort, &self.stream, 1, 32, 0, &p)
+        };
+        if let Err(e) = launched {
+            tracing::warn!(%e, "could not tell the peers that this rank abandoned the call");
         }
-        Ok(Dispatch { ep: self, tokens })
+        tracing::warn!(rank = self.rank, %cause, "expert-parallel call abandoned");
     }
 
     /// Reads the routing flags the kernels raised since the last call, and clears them
-    /// (synchronises the stream).
+    /// (synchronises the stream; returns the instance's fault, if any, instead).
+    ///
+    /// ```no_run
+    /// # fn demo(ep: &mut moefuse_comm::ExpertParallel) -> Result<(), moefuse_comm::CommError> {
+    /// assert!(!ep.take_flags()?.bad_expert_id);
+    /// # Ok(()) }
+    /// ```
     pub fn take_flags(&mut self) -> Result<RoutingFlags, CommError> {
+        self.synchronize()?;
         let status = self.stream.clone_dtoh(&self.local.status).map_err(cuda)?;
         let bits = status[1];
         self.stream
@@ -395,81 +408,30 @@ impl ExpertParallel {
     }
 }
 
-fn check_len(what: &'static str, got: usize, needed: usize) -> Result<(), CommError> {
-    if got < needed {
-        return Err(CommError::BufferTooSmall { what, needed, got });
-    }
-    Ok(())
-}
-
-/// The received rows of one [`ExpertParallel::dispatch`], to be given back to
-/// [`Dispatch::combine`] (every rank must combine before it dispatches again).
-pub struct Dispatch<'a> {
-    ep: &'a mut ExpertParallel,
-    tokens: usize,
-}
-
-impl Dispatch<'_> {
-    /// Expert-major received rows, `[recv_rows_capacity, hidden]` bf16; the first
-    /// `offsets[local_experts - 1]` are valid, grouped by local expert.
-    pub fn x(&self) -> &CudaSlice<bf16> {
-        &self.ep.local.recv_x
-    }
-
-    /// Prefix-sum ends of each local expert's rows (the grouped GEMM's offsets), on the device.
-    pub fn offsets(&self) -> &CudaSlice<i32> {
-        &self.ep.local.recv_offsets
-    }
-
-    /// Routing weight of each received row.
-    pub fn weights(&self) -> &CudaSlice<f32> {
-        &self.ep.local.recv_w
-    }
-
-    /// `(source rank, token, slot)` of each received row, `[rows, 3]`.
-    pub fn origin(&self) -> &CudaSlice<i32> {
-        &self.ep.local.recv_origin
-    }
-
-    /// Rows received (synchronises the stream; for tests and tools).
-    pub fn received_rows(&self) -> Result<usize, CommError> {
-        let status = self
-            .ep
-            .stream
-            .clone_dtoh(&self.ep.local.status)
-            .map_err(cuda)?;
-        Ok(status[0] as usize)
-    }
-
-    /// Reduces the expert outputs `y` (`[rows, hidden]` bf16, in [`Dispatch::x`]'s row order)
-    /// back to this rank's tokens: `out[t] = Σ_slot w[t, slot] · y(t, slot)`, `[tokens,
-    /// hidden]` bf16. Collective.
-    pub fn combine<Y, O>(self, y: &Y, out: &mut O) -> Result<(), CommError>
-    where
-        Y: DevicePtr<bf16>,
-        O: DevicePtrMut<bf16>,
-    {
-        let ep = self.ep;
-        let d = ep.cfg.hidden;
-        check_len("out", out.len(), self.tokens * d)?;
-        let s = ep.stream.clone();
-        let (yp, _ys) = y.device_ptr(&s);
-        let (op, _os) = out.device_ptr_mut(&s);
-        let p = EpParams {
-            tokens: self.tokens as i32,
-            // Rows past the end of `y` are skipped and flagged (recv_overflow).
-            recv_rows_cap: ep.base.recv_rows_cap.min((y.len() / d) as i64),
-            y: yp,
-            out: op,
-            ..ep.base
-        };
-        // SAFETY: as in dispatch; `y` and `out` were checked and are kept alive by their guards.
-        unsafe {
-            ep.module
-                .launch(ep.kernels.combine_send, &s, ep.grid, 256, 0, &p)?;
-            ep.module
-                .launch(ep.kernels.combine_reduce, &s, ep.grid, 256, 0, &p)?;
+impl Drop for ExpertParallel {
+    /// Waits (bounded) for the stream work that reads or writes the buffers, records the
+    /// last epoch in the runtime (the next instance starts above it), then frees. If the
+    /// stream never becomes idle, the symmetric memory and the module are leaked rather
+    /// than freed under running kernels.
+    fn drop(&mut self) {
+        let idle = self.wait_idle("drop");
+        match self.stream.clone_dtoh(&self.local.epoch) {
+            Ok(epoch) => self.runtime.raise_epoch_floor(epoch[0]),
+            // The abort kernel may have taken one more epoch than the host saw.
+            Err(_) => self
+                .runtime
+                .raise_epoch_floor(self.base.epoch_base + (1 << 32)),
         }
-        Ok(())
+        if let Err(e) = idle {
+            tracing::error!(%e, rank = self.rank, "ExpertParallel dropped while its kernels still run: its symmetric memory is leaked");
+            return;
+        }
+        // SAFETY: each field is dropped once, here, and never used again; the stream that
+        // used them is idle.
+        unsafe {
+            ManuallyDrop::drop(&mut self.sym);
+            ManuallyDrop::drop(&mut self.fault_host);
+            ManuallyDrop::drop(&mut self.module);
+        }
     }
 }

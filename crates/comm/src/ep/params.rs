@@ -1,5 +1,6 @@
 //! `EpParams`: the `#[repr(C)]` mirror of `moefuse_ep_params`
-//! (kernels/include/moefuse/comm/ep_params.h), field for field.
+//! (crates/kernels/cuda/include/moefuse/comm/ep_params.h), field for field, and the
+//! header's constants.
 
 /// Tokens per block of the count kernel (`MOEFUSE_EP_CHUNK`).
 pub(crate) const CHUNK: usize = 256;
@@ -7,6 +8,23 @@ pub(crate) const CHUNK: usize = 256;
 pub(crate) const BAD_EXPERT_ID: u32 = 1;
 pub(crate) const DUPLICATE_EXPERT: u32 = 2;
 pub(crate) const RECV_OVERFLOW: u32 = 4;
+
+/// Fault kinds (`fault[0] & 0xff`, `MOEFUSE_EP_FAULT_*`).
+pub(crate) const TIMEOUT: u64 = 1;
+pub(crate) const ABORTED: u64 = 2;
+pub(crate) const LOCAL_ABORT: u64 = 3;
+/// The wait that faulted (`(fault[0] >> 8) & 0xff`, `MOEFUSE_EP_OP_*`).
+pub(crate) const OP_NOTIFY: u64 = 1;
+pub(crate) const OP_EXPAND: u64 = 2;
+pub(crate) const OP_COMBINE: u64 = 3;
+/// Words of `fault` and of one handshake record.
+pub(crate) const FAULT_WORDS: usize = 4;
+pub(crate) const HELLO_WORDS: usize = 4;
+/// `MOEFUSE_EP_HELLO_MAGIC`: marks a handshake record that arrived.
+pub(crate) const HELLO_MAGIC: u64 = 0x6d6f_6566_7573_6501;
+/// `abort_stage`: peers wait for the next epoch (dispatch) or the current one (combine).
+pub(crate) const ABORT_DISPATCH: i32 = 0;
+pub(crate) const ABORT_COMBINE: i32 = 1;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -53,6 +71,15 @@ pub(crate) struct EpParams {
 
     pub y: u64,
     pub out: u64,
+
+    pub timeout_ns: u64,
+    pub cfg_hash: u64,
+    pub epoch_base: u64,
+    pub fault: u64,
+    pub fault_host: u64,
+    pub hello: u64,
+    pub abort_stage: i32,
+    pub reserved: i32,
 }
 
 #[cfg(test)]
@@ -61,7 +88,7 @@ mod tests {
     use std::mem::{offset_of, size_of};
 
     /// Offsets as the C compiler lays out `moefuse_ep_params` on LP64 (8 ints, an int64,
-    /// then 30 pointers).
+    /// 30 pointers, then the guard block: 3 u64, 3 pointers, 2 ints).
     #[test]
     fn layout_matches_the_c_struct() {
         assert_eq!(offset_of!(EpParams, recv_rows_cap), 32);
@@ -70,6 +97,10 @@ mod tests {
         assert_eq!(offset_of!(EpParams, epoch), 128);
         assert_eq!(offset_of!(EpParams, recv_x), 216);
         assert_eq!(offset_of!(EpParams, out), 256);
-        assert_eq!(size_of::<EpParams>(), 264);
+        assert_eq!(offset_of!(EpParams, timeout_ns), 264);
+        assert_eq!(offset_of!(EpParams, fault), 288);
+        assert_eq!(offset_of!(EpParams, hello), 304);
+        assert_eq!(offset_of!(EpParams, abort_stage), 312);
+        assert_eq!(size_of::<EpParams>(), 320);
     }
 }

@@ -1,14 +1,21 @@
 /*
  * Expert-parallel dispatch/combine: the one argument struct every kernel of
- * kernels/comm/ep.cu takes by value. Mirrored field for field by `EpParams` in
+ * crates/comm/cuda/ep.cu takes by value. Mirrored field for field by `EpParams` in
  * crates/comm/src/ep/params.rs (a layout test there checks size and offsets).
  *
  * Buffers, by owner:
  *   caller   x, topk_ids, topk_weights (dispatch inputs), y (combine input), out.
  *   symmetric (same offset on every PE; peers write into them):
- *            meta, meta_sig, stage_x, stage_info, stage_w, disp_sig, comb_x, comb_sig.
+ *            meta, meta_sig, stage_x, stage_info, stage_w, disp_sig, comb_x, comb_sig,
+ *            hello (the construction handshake).
  *   local    epoch, done, chunk_cnt, pos_local, tokpos, counts_all, dest_row_base,
- *            stage_base, comb_base, src_base, status, and the receive outputs recv_*.
+ *            stage_base, comb_base, src_base, status, fault, and the receive outputs recv_*.
+ *   host     fault_host (mapped pinned memory: the host reads it without a sync).
+ *
+ * Deadlines: every wait on a peer gives up after timeout_ns (globaltimer), records a fault
+ * (first one wins) and lets the kernel exit; every later kernel of the instance sees the
+ * fault and does nothing (senders first tell their peers, with an abort signal). Signals
+ * carry the epoch; an abort signal is MOEFUSE_EP_ABORT_BIT | epoch.
  *
  * C = experts + ranks is the width of a count row: counts per global expert, then
  * tokens per destination rank.
@@ -33,6 +40,16 @@ extern "C" {
 #define MOEFUSE_EP_DUPLICATE_EXPERT 2u
 #define MOEFUSE_EP_RECV_OVERFLOW 4u
 
+/* fault[0] = kind | op << 8 (0: none); fault[1] peer; fault[2] waited ns; fault[3] epoch. */
+#define MOEFUSE_EP_FAULT_TIMEOUT 1u     /* a peer's signal did not come within timeout_ns */
+#define MOEFUSE_EP_FAULT_ABORTED 2u     /* a peer sent an abort signal for this epoch */
+#define MOEFUSE_EP_FAULT_LOCAL_ABORT 3u /* this rank abandoned the call (host-side error) */
+#define MOEFUSE_EP_OP_NOTIFY 1u         /* dispatch: the count exchange (meta_sig) */
+#define MOEFUSE_EP_OP_EXPAND 2u         /* dispatch: waiting for the tokens (disp_sig) */
+#define MOEFUSE_EP_OP_COMBINE 3u        /* combine: waiting for the partial sums (comb_sig) */
+#define MOEFUSE_EP_ABORT_BIT (1ull << 63)
+#define MOEFUSE_EP_HELLO_MAGIC 0x6d6f656675736501ull
+
 typedef struct moefuse_ep_params {
   int32_t ranks, rank, experts, local_experts;
   int32_t top_k, hidden, tokens, max_tokens;
@@ -51,7 +68,7 @@ typedef struct moefuse_ep_params {
   uint16_t* comb_x;    /* sym [max_tokens*min(top_k,ranks), hidden]: partial sums from each destination */
   uint64_t* comb_sig;  /* sym [ranks] */
 
-  uint64_t* epoch;        /* [1] calls so far; notify increments it */
+  uint64_t* epoch;        /* [1] the last call's epoch; notify increments it (starts at the agreed base) */
   uint32_t* done;         /* [2] finished blocks of dispatch / combine_send (last block resets) */
   int32_t* chunk_cnt;     /* [max_chunks][C] per-chunk counts, then exclusive bases */
   int32_t* pos_local;     /* [max_tokens][top_k] rank of (t, slot) in its expert within the chunk */
@@ -70,6 +87,16 @@ typedef struct moefuse_ep_params {
 
   const uint16_t* y; /* [recv rows, hidden] expert outputs, in recv_x's row order */
   uint16_t* out;     /* [tokens, hidden] combined bf16 */
+
+  /* Guard block (appended: the offsets above are unchanged). */
+  uint64_t timeout_ns;  /* deadline of every wait on a peer */
+  uint64_t cfg_hash;    /* hello: this rank's configuration hash */
+  uint64_t epoch_base;  /* hello: the epoch this rank proposes to start from */
+  uint64_t* fault;      /* [4] first fault of this instance (see above); sticky */
+  uint64_t* fault_host; /* [4] host-mapped copy of fault, written last-word-first */
+  uint64_t* hello;      /* sym [ranks][4]: magic, cfg_hash, epoch_base, rank of each rank */
+  int32_t abort_stage;  /* abort: 0 peers wait for epoch + 1 (dispatch), 1 for epoch (combine) */
+  int32_t reserved;
 } moefuse_ep_params;
 
 #ifdef __cplusplus

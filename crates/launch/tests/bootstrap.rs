@@ -1,17 +1,17 @@
-//! CPU tests of the process bootstrap: launch-variable parsing, the rendezvous protocol, and
-//! whole launches of this test binary as N ranks (`rank_child` is a rank's body; in the
-//! parent test run it returns at once).
+//! CPU tests of the process bootstrap: launch-variable parsing, the rendezvous protocol (its
+//! token, caps and timeouts), and whole launches of this test binary as N ranks
+//! (`rank_child` is a rank's body; in the parent test run it returns at once).
 
-use moefuse_comm::{
-    broadcast_from_rank0, exchange_unique_id, launch, CommError, LaunchEnv, LaunchEvent,
-    LaunchSpec, OutputStream, Rendezvous, RendezvousServer,
+use moefuse_launch::{
+    broadcast_from_rank0, exchange_unique_id, launch, LaunchEnv, LaunchError, LaunchEvent,
+    LaunchSpec, OutputStream, Rendezvous, RendezvousServer, ServerLimits, Token,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-fn env_of(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>, CommError> {
+fn env_of(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>, LaunchError> {
     let map: HashMap<String, String> = vars
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -23,6 +23,32 @@ fn launched(vars: &[(&str, &str)]) -> LaunchEnv {
     env_of(vars)
         .unwrap_or_else(|e| panic!("{vars:?}: {e}"))
         .unwrap_or_else(|| panic!("{vars:?}: not launched"))
+}
+
+/// A server with a fresh token (kept beside it for the clients).
+struct Server {
+    inner: RendezvousServer,
+    token: Token,
+}
+
+impl Server {
+    fn addr(&self) -> std::net::SocketAddr {
+        self.inner.addr()
+    }
+}
+
+fn server() -> Server {
+    server_with(ServerLimits::default())
+}
+
+fn server_with(limits: ServerLimits) -> Server {
+    let token = Token::generate().unwrap();
+    let inner = RendezvousServer::start_with("127.0.0.1:0", token.clone(), limits).unwrap();
+    Server { inner, token }
+}
+
+fn connect(server: &Server) -> Rendezvous {
+    Rendezvous::connect(server.addr(), &server.token).unwrap()
 }
 
 fn hex_id(tag: &str) -> String {
@@ -49,6 +75,7 @@ fn moefuse_variables() {
         ("MOEFUSE_LOCAL_RANK", "1"),
         ("MOEFUSE_LOCAL_WORLD_SIZE", "4"),
         ("MOEFUSE_RENDEZVOUS", "127.0.0.1:4567"),
+        ("MOEFUSE_RENDEZVOUS_TOKEN", &"5a".repeat(16)),
         ("MOEFUSE_JOB_ID", "job7"),
         ("RANK", "0"), // ours win over torchrun's
     ]);
@@ -121,7 +148,7 @@ fn malformed_values_name_the_variable() {
     ];
     for (vars, named) in cases {
         match env_of(vars) {
-            Err(CommError::Bootstrap(msg)) => {
+            Err(LaunchError::Bootstrap(msg)) => {
                 assert!(
                     msg.contains(named),
                     "{vars:?}: `{msg}` does not name {named}"
@@ -136,8 +163,8 @@ fn malformed_values_name_the_variable() {
 
 #[test]
 fn set_then_get_on_one_connection() {
-    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
-    let mut client = Rendezvous::connect(server.addr()).unwrap();
+    let server = server();
+    let mut client = connect(&server);
     client.set("j/a", "1").unwrap();
     client.set("j/spaces", " two  words ").unwrap();
     client.set("j/empty", "").unwrap();
@@ -145,32 +172,29 @@ fn set_then_get_on_one_connection() {
     assert_eq!(client.get("j/a", second).unwrap(), "1");
     assert_eq!(client.get("j/spaces", second).unwrap(), " two  words ");
     assert_eq!(client.get("j/empty", second).unwrap(), "");
-    let mut other = Rendezvous::connect(server.addr()).unwrap();
+    let mut other = connect(&server);
     assert_eq!(other.get("j/a", second).unwrap(), "1");
 }
 
 #[test]
 fn get_waits_for_a_later_set() {
-    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
-    let addr = server.addr();
+    let server = server();
+    let (addr, token) = (server.addr(), server.token.clone());
     let waiter = std::thread::spawn(move || {
-        Rendezvous::connect(addr)
+        Rendezvous::connect(addr, &token)
             .unwrap()
             .get("j/late", Duration::from_secs(20))
     });
     std::thread::sleep(Duration::from_millis(200));
-    Rendezvous::connect(addr)
-        .unwrap()
-        .set("j/late", "here")
-        .unwrap();
+    connect(&server).set("j/late", "here").unwrap();
     assert_eq!(waiter.join().unwrap().unwrap(), "here");
 }
 
 #[test]
 fn errors_name_the_address_the_key_and_the_reason() {
-    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
+    let server = server();
     let addr = server.addr().to_string();
-    let mut client = Rendezvous::connect(server.addr()).unwrap();
+    let mut client = connect(&server);
     let t0 = Instant::now();
     let missing = client
         .get("j/never", Duration::from_millis(100))
@@ -193,7 +217,7 @@ fn errors_name_the_address_the_key_and_the_reason() {
     for (key, value) in [("", "v"), ("a b", "v"), ("k", "two\nlines")] {
         let e = client.set(key, value).unwrap_err();
         assert!(
-            matches!(e, CommError::Bootstrap(_)),
+            matches!(e, LaunchError::Bootstrap(_)),
             "{key:?}={value:?}: {e}"
         );
     }
@@ -203,10 +227,14 @@ fn errors_name_the_address_the_key_and_the_reason() {
 
 #[test]
 fn malformed_requests_get_an_err_line() {
-    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
+    let server = server();
     let mut stream = TcpStream::connect(server.addr()).unwrap();
     let mut reader = BufReader::new(stream.try_clone().unwrap());
-    for request in ["HELLO", "GET", "GET k soon", "SET", "set k v"] {
+    writeln!(stream, "AUTH {}", server.token.as_str()).unwrap();
+    let mut answer = String::new();
+    reader.read_line(&mut answer).unwrap();
+    assert_eq!(answer, "OK\n");
+    for request in ["HELLO", "GET", "GET k soon", "SET", "set k v", "AUTH again"] {
         writeln!(stream, "{request}").unwrap();
         let mut answer = String::new();
         reader.read_line(&mut answer).unwrap();
@@ -220,14 +248,175 @@ fn malformed_requests_get_an_err_line() {
 
 #[test]
 fn dropping_the_server_ends_pending_gets() {
-    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
-    let mut client = Rendezvous::connect(server.addr()).unwrap();
+    let server = server();
+    let mut client = connect(&server);
     let waiter = std::thread::spawn(move || client.get("j/never", Duration::from_secs(60)));
     std::thread::sleep(Duration::from_millis(200));
     let t0 = Instant::now();
     drop(server);
     let e = waiter.join().unwrap().unwrap_err().to_string();
     assert!(e.contains("stopped"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+// ---- the rendezvous's token, caps and timeouts ----
+
+/// Sends raw lines on a fresh connection and returns each answer ("" at end of stream).
+fn raw(server: &Server, lines: &[String]) -> Vec<String> {
+    let mut stream = TcpStream::connect(server.addr()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut answers = Vec::new();
+    for line in lines {
+        if writeln!(stream, "{line}").is_err() {
+            answers.push(String::new());
+            continue;
+        }
+        let mut answer = String::new();
+        let _ = reader.read_line(&mut answer);
+        answers.push(answer.trim_end().to_string());
+    }
+    answers
+}
+
+#[test]
+fn a_client_without_the_token_can_neither_read_nor_write() {
+    let server = server();
+    connect(&server)
+        .set("job/nvshmem-unique-id/0", "00ff")
+        .unwrap();
+    // Before the fix anyone on the host could GET the id or pre-SET another job's key.
+    let wrong = Token::generate().unwrap();
+    let e = Rendezvous::connect(server.addr(), &wrong)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("authentication failed"), "{e}");
+    let answers = raw(
+        &server,
+        &[
+            "GET job/nvshmem-unique-id/0 10".into(),
+            "SET job/x 1".into(),
+        ],
+    );
+    assert!(
+        answers[0].starts_with("ERR authentication failed"),
+        "{answers:?}"
+    );
+    assert_eq!(
+        answers[1], "",
+        "the connection must close after a failed AUTH: {answers:?}"
+    );
+    let answers = raw(
+        &server,
+        &[format!("AUTH {}", wrong.as_str()), "SET job/x 1".into()],
+    );
+    assert!(answers[0].starts_with("ERR"), "{answers:?}");
+    assert_eq!(answers[1], "", "{answers:?}");
+    // The right token, in another case, works; nothing was written by the others.
+    let upper = Token::parse(&server.token.as_str().to_ascii_uppercase()).unwrap();
+    let mut ok = Rendezvous::connect(server.addr(), &upper).unwrap();
+    assert!(ok.get("job/x", Duration::from_millis(10)).is_err());
+    assert_eq!(
+        ok.get("job/nvshmem-unique-id/0", Duration::from_secs(1))
+            .unwrap(),
+        "00ff"
+    );
+}
+
+#[test]
+fn a_rendezvous_address_needs_its_token() {
+    let r = ("MOEFUSE_RANK", "0");
+    let w = ("MOEFUSE_WORLD_SIZE", "2");
+    match env_of(&[r, w, ("MOEFUSE_RENDEZVOUS", "127.0.0.1:4567")]) {
+        Err(LaunchError::Bootstrap(msg)) => {
+            assert!(msg.contains("MOEFUSE_RENDEZVOUS_TOKEN"), "{msg}")
+        }
+        other => panic!("a rendezvous without a token was accepted: {other:?}"),
+    }
+    match env_of(&[r, w, ("MOEFUSE_RENDEZVOUS_TOKEN", "abc")]) {
+        Err(LaunchError::Bootstrap(msg)) => assert!(msg.contains("32 to 128 hex"), "{msg}"),
+        other => panic!("a malformed token was accepted: {other:?}"),
+    }
+}
+
+#[test]
+fn connections_beyond_the_cap_are_refused_and_seats_come_back() {
+    let server = server_with(ServerLimits {
+        max_connections: 2,
+        ..Default::default()
+    });
+    let a = connect(&server);
+    let b = connect(&server);
+    assert_eq!(server.inner.connections(), 2);
+    let e = Rendezvous::connect(server.addr(), &server.token)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("too many connections"), "{e}");
+    drop((a, b));
+    let t0 = Instant::now();
+    while server.inner.connections() > 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = connect(&server);
+    c.set("j/after", "1").unwrap();
+}
+
+#[test]
+fn silent_connections_are_closed() {
+    let server = server_with(ServerLimits {
+        auth_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_millis(500),
+        ..Default::default()
+    });
+    // Never authenticates: closed after auth_timeout (before the fix: a thread forever).
+    let t0 = Instant::now();
+    let mut silent = TcpStream::connect(server.addr()).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut silent, &mut rest);
+    assert!(rest.starts_with("ERR authentication failed"), "{rest:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // Authenticated, then idle: closed after idle_timeout.
+    let mut idle = connect(&server);
+    std::thread::sleep(Duration::from_millis(1200));
+    let e = idle.set("j/late", "1").unwrap_err().to_string();
+    assert!(
+        e.contains("closed") || e.contains("reset") || e.contains("pipe"),
+        "{e}"
+    );
+    let t0 = Instant::now();
+    while server.inner.connections() > 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(server.inner.connections(), 0);
+}
+
+#[test]
+fn the_store_and_waits_are_bounded() {
+    let server = server_with(ServerLimits {
+        max_keys: 2,
+        max_bytes: 64,
+        max_wait: Duration::from_millis(200),
+        ..Default::default()
+    });
+    let mut c = connect(&server);
+    c.set("j/a", "1").unwrap();
+    let e = c.set("j/big", &"x".repeat(100)).unwrap_err().to_string();
+    assert!(e.contains("full"), "{e}");
+    c.set("j/b", "2").unwrap();
+    let e = c.set("j/c", "3").unwrap_err().to_string();
+    assert!(e.contains("full"), "{e}");
+    // A GET asking for an hour waits max_wait.
+    let t0 = Instant::now();
+    let e = c
+        .get("j/never", Duration::from_secs(3600))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not set within 200 ms"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(10));
 }
 
@@ -241,7 +430,8 @@ fn a_given_id_needs_no_rendezvous() {
         ("WORLD_SIZE", "2"),
         ("MOEFUSE_UNIQUE_ID", &id),
     ]);
-    let got = exchange_unique_id(&env, || panic!("no id is made when one is given")).unwrap();
+    let got = exchange_unique_id::<LaunchError>(&env, || panic!("no id is made when one is given"))
+        .unwrap();
     assert_eq!(got, id);
 }
 
@@ -249,10 +439,10 @@ fn a_given_id_needs_no_rendezvous() {
 fn one_rank_alone_makes_its_own_id() {
     let env = launched(&[("MOEFUSE_RANK", "0"), ("MOEFUSE_WORLD_SIZE", "1")]);
     assert_eq!(
-        exchange_unique_id(&env, || Ok(hex_id("solo"))).unwrap(),
+        exchange_unique_id(&env, || Ok::<_, LaunchError>(hex_id("solo"))).unwrap(),
         hex_id("solo")
     );
-    let bad = exchange_unique_id(&env, || Ok("not hex".into()))
+    let bad = exchange_unique_id(&env, || Ok::<_, LaunchError>("not hex".into()))
         .unwrap_err()
         .to_string();
     assert!(bad.contains("not hex digits"), "{bad}");
@@ -261,7 +451,7 @@ fn one_rank_alone_makes_its_own_id() {
 #[test]
 fn several_ranks_without_a_rendezvous_are_told_what_to_set() {
     let env = launched(&[("RANK", "1"), ("WORLD_SIZE", "2")]);
-    let e = exchange_unique_id(&env, || panic!("rank 1 makes no id"))
+    let e = exchange_unique_id::<LaunchError>(&env, || panic!("rank 1 makes no id"))
         .unwrap_err()
         .to_string();
     assert!(
@@ -272,23 +462,25 @@ fn several_ranks_without_a_rendezvous_are_told_what_to_set() {
 
 #[test]
 fn ranks_in_threads_receive_rank_0s_value() {
-    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
+    let server = server();
     let addr = server.addr().to_string();
+    let token = server.token.as_str().to_string();
     let ranks: Vec<_> = (0..4)
         .map(|rank| {
-            let addr = addr.clone();
+            let (addr, token) = (addr.clone(), token.clone());
             std::thread::spawn(move || {
                 let r = rank.to_string();
                 let vars = [
                     ("MOEFUSE_RANK", r.as_str()),
                     ("MOEFUSE_WORLD_SIZE", "4"),
                     ("MOEFUSE_RENDEZVOUS", addr.as_str()),
+                    ("MOEFUSE_RENDEZVOUS_TOKEN", token.as_str()),
                     ("MOEFUSE_JOB_ID", "threads"),
                 ];
                 let env = launched(&vars);
                 broadcast_from_rank0(&env, "value", || {
                     assert_eq!(rank, 0, "only rank 0 makes the value");
-                    Ok("from rank 0".into())
+                    Ok::<_, LaunchError>("from rank 0".into())
                 })
             })
         })
@@ -313,8 +505,14 @@ fn rank_child() {
         return;
     }
     let env = LaunchEnv::from_env().unwrap().expect("started by launch");
-    let first = exchange_unique_id(&env, || Ok(hex_id(&format!("{}a", env.job_id())))).unwrap();
-    let second = exchange_unique_id(&env, || Ok(hex_id(&format!("{}b", env.job_id())))).unwrap();
+    let first = exchange_unique_id(&env, || {
+        Ok::<_, LaunchError>(hex_id(&format!("{}a", env.job_id())))
+    })
+    .unwrap();
+    let second = exchange_unique_id(&env, || {
+        Ok::<_, LaunchError>(hex_id(&format!("{}b", env.job_id())))
+    })
+    .unwrap();
     let var = |name| std::env::var(name).unwrap_or_default();
     println!(
         "RESULT {} {} {} {} {first} {second}",
@@ -340,7 +538,7 @@ fn launch_children(
     n: usize,
     vars: &[(&str, &str)],
     adjust: impl FnOnce(&mut LaunchSpec),
-) -> (Result<(), CommError>, Vec<LaunchEvent>) {
+) -> (Result<(), LaunchError>, Vec<LaunchEvent>) {
     let exe = std::env::current_exe().unwrap();
     let mut spec = LaunchSpec::new(
         n,
@@ -439,7 +637,7 @@ fn three_ranks_agree_on_one_id() {
 fn a_failing_rank_fails_the_launch_and_is_named() {
     let (result, events) = launch_children(3, &[("MOEFUSE_TEST_FAIL", "1")], |_| {});
     match result {
-        Err(CommError::RankFailed {
+        Err(LaunchError::RankFailed {
             rank: 1,
             world_size: 3,
             status,
@@ -462,7 +660,7 @@ fn a_failure_stops_the_ranks_still_running() {
     let (result, events) =
         launch_children(3, &vars, |spec| spec.grace = Duration::from_millis(200));
     assert!(
-        matches!(result, Err(CommError::RankFailed { rank: 2, .. })),
+        matches!(result, Err(LaunchError::RankFailed { rank: 2, .. })),
         "{result:?}; events: {events:#?}"
     );
     assert!(
@@ -479,7 +677,7 @@ fn the_timeout_kills_every_rank() {
         spec.timeout = Some(Duration::from_secs(2))
     });
     match result {
-        Err(CommError::LaunchTimeout { secs: 2, running }) => assert_eq!(running, [0]),
+        Err(LaunchError::LaunchTimeout { secs: 2, running }) => assert_eq!(running, [0]),
         other => panic!("expected a timeout, got {other:?}; events: {events:#?}"),
     }
     assert!(
@@ -493,7 +691,7 @@ fn the_timeout_kills_every_rank() {
 fn a_program_that_cannot_start_is_named() {
     let spec = LaunchSpec::new(2, "/nonexistent/moefuse-rank", ["x"]);
     match launch(&spec, |_| {}) {
-        Err(CommError::Bootstrap(msg)) => {
+        Err(LaunchError::Bootstrap(msg)) => {
             assert!(
                 msg.contains("/nonexistent/moefuse-rank") && msg.contains("rank 0"),
                 "{msg}"
@@ -501,6 +699,26 @@ fn a_program_that_cannot_start_is_named() {
         }
         other => panic!("expected a Bootstrap error, got {other:?}"),
     }
+}
+
+/// Alive and not a zombie (a zombie waits for a reaper that is not ours).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        !stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+fn wait_gone(pids: &[u32]) -> Vec<u32> {
+    let t0 = Instant::now();
+    while pids.iter().any(|&p| alive(p)) && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    pids.iter().copied().filter(|&p| alive(p)).collect()
 }
 
 #[test]
@@ -514,24 +732,50 @@ fn killing_a_rank_kills_what_it_started() {
         }
     });
     assert!(
-        matches!(result, Err(CommError::LaunchTimeout { .. })),
+        matches!(result, Err(LaunchError::LaunchTimeout { .. })),
         "{result:?}"
     );
     let pid = pid.expect("the rank printed its child's pid");
-    // Gone, or a zombie waiting for a reaper that is not ours.
-    let alive = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-            !stat
-                .rsplit_once(')')
-                .unwrap()
-                .1
-                .trim_start()
-                .starts_with('Z')
-        })
-    };
-    let t0 = Instant::now();
-    while alive() && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(!alive(), "sleep {pid}, started by the rank, outlived it");
+    assert_eq!(
+        wait_gone(&[pid]),
+        [] as [u32; 0],
+        "sleep {pid}, started by the rank, outlived it"
+    );
+}
+
+#[test]
+fn a_rank_that_keeps_forking_leaves_nothing_behind() {
+    // Each loop forks a subshell that forks a sleeper: children appear continuously, the
+    // race a single /proc snapshot loses.
+    let script = "while :; do (sleep 300 & echo $!; wait) & echo $!; sleep 0.01; done";
+    let mut spec = LaunchSpec::new(4, "sh", ["-c", script]);
+    spec.timeout = Some(Duration::from_secs(1));
+    let mut pids = Vec::new();
+    let result = launch(&spec, |e| {
+        if let LaunchEvent::Output { line, .. } = e {
+            pids.extend(line.trim().parse::<u32>().ok());
+        }
+    });
+    assert!(
+        matches!(result, Err(LaunchError::LaunchTimeout { .. })),
+        "{result:?}"
+    );
+    assert!(
+        pids.len() > 10,
+        "the ranks forked only {} times",
+        pids.len()
+    );
+    let left = wait_gone(&pids);
+    assert!(
+        left.is_empty(),
+        "processes started by the ranks outlived them: {left:?}"
+    );
+}
+
+#[test]
+fn a_launch_has_a_deadline_by_default() {
+    let spec = LaunchSpec::new(2, "true", Vec::<String>::new());
+    assert_eq!(spec.timeout, Some(moefuse_launch::DEFAULT_LAUNCH_TIMEOUT));
+    assert!(moefuse_launch::DEFAULT_LAUNCH_TIMEOUT <= Duration::from_secs(3600));
+    launch(&spec, |_| {}).unwrap();
 }

@@ -1,13 +1,9 @@
-//! The launcher side of the bootstrap: N ranks of one job on this host (`cargo xtask
-//! launch`, or [`launch`] from Rust), each with the variables `bootstrap` documents and a
-//! job-scoped rendezvous server; output forwarded per rank; the first failing rank named and
-//! the others stopped.
-//!
-//! NOTES: like bootstrap.rs, compiled by xtask through `#[path]` beside it, so it uses only
-//! std, tracing, `super::CommError` and `super::bootstrap`.
+//! The launcher side: N ranks of one job on this host (`cargo xtask launch`, or [`launch`]
+//! from Rust), each with the variables the crate docs list and a job-scoped rendezvous
+//! server guarded by a fresh token; output forwarded per rank; the first failing rank named
+//! and the others stopped, with everything they started.
 
-use super::bootstrap::{err, RendezvousServer, NO_MULTICAST, POLL};
-use super::CommError;
+use crate::{err, LaunchError, RendezvousServer, Token};
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
@@ -15,6 +11,20 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
+
+/// How often the launcher looks at its children.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Variables that keep NVLink multicast off in every child unless already set.
+const NO_MULTICAST: [(&str, &str); 3] = [
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+];
+
+/// The deadline [`LaunchSpec::new`] gives a launch: a hung job (a rank waiting on a dead
+/// peer) is killed after 30 minutes, not never.
+pub const DEFAULT_LAUNCH_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// What [`launch`] starts: `nprocs` copies of `program args` on this host.
 #[derive(Debug, Clone)]
@@ -27,7 +37,8 @@ pub struct LaunchSpec {
     pub args: Vec<OsString>,
     /// G of `CUDA_VISIBLE_DEVICES = rank % G`; `None`: `MOEFUSE_LAUNCH_GPUS`, else 1.
     pub gpus: Option<usize>,
-    /// Kill every rank after this long; `None`: no limit.
+    /// Kill every rank after this long; `None`: no limit (default
+    /// [`DEFAULT_LAUNCH_TIMEOUT`]).
     pub timeout: Option<Duration>,
     /// How long the others may run on after a rank fails before they are killed.
     pub grace: Duration,
@@ -36,10 +47,10 @@ pub struct LaunchSpec {
 }
 
 impl LaunchSpec {
-    /// `nprocs` ranks of `program args`, no timeout, a 3 s grace period.
+    /// `nprocs` ranks of `program args`, [`DEFAULT_LAUNCH_TIMEOUT`], a 3 s grace period.
     ///
     /// ```
-    /// let spec = moefuse_comm::LaunchSpec::new(2, "sh", ["-c", "echo $MOEFUSE_RANK"]);
+    /// let spec = moefuse_launch::LaunchSpec::new(2, "sh", ["-c", "echo $MOEFUSE_RANK"]);
     /// assert_eq!(spec.nprocs, 2);
     /// ```
     pub fn new(
@@ -52,7 +63,7 @@ impl LaunchSpec {
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
             gpus: None,
-            timeout: None,
+            timeout: Some(DEFAULT_LAUNCH_TIMEOUT),
             grace: Duration::from_secs(3),
             env: Vec::new(),
         }
@@ -100,19 +111,14 @@ pub enum LaunchEvent {
 struct Ranks(Vec<Option<Child>>);
 
 impl Ranks {
-    /// SIGKILL to every running rank and the processes below it (a rank may be a wrapper
-    /// such as `cargo run` or `sh`, whose program would otherwise keep its GPU).
+    /// Stops every running rank and the processes below it, then kills them all (a rank
+    /// may be a wrapper such as `cargo run` or `sh`, whose program would otherwise keep its
+    /// GPU).
     fn kill_all(&mut self) {
+        let roots: Vec<u32> = self.0.iter().flatten().map(Child::id).collect();
+        kill_trees(&roots);
         for child in self.0.iter_mut().flatten() {
-            let below = descendants(child.id());
-            let _ = child.kill(); // first, so that a wrapper cannot react to its children dying
-            if !below.is_empty() {
-                let _ = Command::new("kill")
-                    .arg("-KILL")
-                    .args(below.iter().map(u32::to_string))
-                    .stderr(Stdio::null())
-                    .status();
-            }
+            let _ = child.kill(); // the root itself, also where `kill` is missing
         }
     }
 
@@ -130,8 +136,43 @@ impl Drop for Ranks {
     }
 }
 
-/// Every process below `pid`, from the parent ids in `/proc/*/stat` (none off Linux).
-fn descendants(pid: u32) -> Vec<u32> {
+/// Sends `signal` (`-STOP`, `-KILL`) to `pids` through kill(1).
+fn signal(signal: &str, pids: &[u32]) {
+    if pids.is_empty() {
+        return;
+    }
+    let _ = Command::new("kill")
+        .arg(signal)
+        .args(pids.iter().map(u32::to_string))
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Kills `roots` and every process below them without racing their forks: SIGSTOP first,
+/// again on each newly found descendant until a `/proc` walk finds none (a stopped process
+/// cannot fork, so the last walk is complete), then SIGKILL to all. NOTES: a single
+/// snapshot then kill (the old way) misses a child forked between the two, which then
+/// outlives the job; a process group kill would miss a child that changed its group.
+fn kill_trees(roots: &[u32]) {
+    let mut tree: Vec<u32> = roots.to_vec();
+    signal("-STOP", &tree);
+    for _ in 0..64 {
+        let found: Vec<u32> = descendants(&tree)
+            .into_iter()
+            .filter(|p| !tree.contains(p))
+            .collect();
+        if found.is_empty() {
+            break;
+        }
+        signal("-STOP", &found);
+        tree.extend(found);
+    }
+    signal("-KILL", &tree);
+    // A stopped process killed while stopped still dies; nothing more to resume.
+}
+
+/// Every process below any of `roots`, from the parent ids in `/proc/*/stat` (none off Linux).
+fn descendants(roots: &[u32]) -> Vec<u32> {
     let parent_of = |p: u32| -> Option<u32> {
         let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
         // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
@@ -149,26 +190,25 @@ fn descendants(pid: u32) -> Vec<u32> {
         .filter_map(|e| e.file_name().to_str()?.parse().ok())
         .filter_map(|p| Some((p, parent_of(p)?)))
         .collect();
-    let mut tree = vec![pid];
+    let mut tree = roots.to_vec();
     let mut at = 0;
     while at < tree.len() {
         let parent = tree[at];
-        tree.extend(
-            pairs
-                .iter()
-                .filter(|&&(_, pp)| pp == parent)
-                .map(|&(p, _)| p),
-        );
+        for &(p, _) in pairs.iter().filter(|&&(_, pp)| pp == parent) {
+            if !tree.contains(&p) {
+                tree.push(p);
+            }
+        }
         at += 1;
     }
-    tree.split_off(1)
+    tree.split_off(roots.len())
 }
 
 /// `CUDA_VISIBLE_DEVICES` for each `rank % G`: entries of the launcher's own list, else `0..G`.
 fn gpu_ids(
     gpus: Option<usize>,
     var: impl Fn(&str) -> Option<String>,
-) -> Result<Vec<String>, CommError> {
+) -> Result<Vec<String>, LaunchError> {
     let g = match gpus {
         Some(g) => g,
         None => match var("MOEFUSE_LAUNCH_GPUS").filter(|v| !v.is_empty()) {
@@ -234,27 +274,28 @@ fn forward(
 /// variables of the module docs, reports their lines and exits to `on_event`, and waits.
 ///
 /// When a rank fails (non-zero exit or a signal), the others get `spec.grace` to finish,
-/// then are killed, and the answer is [`CommError::RankFailed`] naming the first failure.
-/// Past `spec.timeout` every rank is killed: [`CommError::LaunchTimeout`]. Killing a rank
-/// kills the processes it started too (found through `/proc`).
+/// then are killed, and the answer is [`LaunchError::RankFailed`] naming the first failure.
+/// Past `spec.timeout` every rank is killed: [`LaunchError::LaunchTimeout`]. Killing a rank
+/// kills the processes it started too (stopped, found through `/proc`, then killed).
 ///
 /// ```no_run
-/// use moefuse_comm::{launch, LaunchEvent, LaunchSpec};
+/// use moefuse_launch::{launch, LaunchEvent, LaunchSpec};
 /// let spec = LaunchSpec::new(2, "sh", ["-c", "echo rank $MOEFUSE_RANK"]);
 /// launch(&spec, |event| {
 ///     if let LaunchEvent::Output { rank, line, .. } = event {
 ///         eprintln!("[rank {rank}] {line}");
 ///     }
 /// })?;
-/// # Ok::<(), moefuse_comm::CommError>(())
+/// # Ok::<(), moefuse_launch::LaunchError>(())
 /// ```
-pub fn launch(spec: &LaunchSpec, mut on_event: impl FnMut(LaunchEvent)) -> Result<(), CommError> {
+pub fn launch(spec: &LaunchSpec, mut on_event: impl FnMut(LaunchEvent)) -> Result<(), LaunchError> {
     if spec.nprocs == 0 {
         return Err(err("a launch needs at least one process"));
     }
     let parent = |name: &str| std::env::var(name).ok();
     let gpus = gpu_ids(spec.gpus, parent)?;
-    let server = RendezvousServer::start("127.0.0.1:0")?;
+    let token = Token::generate()?;
+    let server = RendezvousServer::start("127.0.0.1:0", token.clone())?;
     let job_id = new_job_id();
     let (tx, rx) = mpsc::channel();
     let mut ranks = Ranks(Vec::with_capacity(spec.nprocs));
@@ -275,6 +316,7 @@ pub fn launch(spec: &LaunchSpec, mut on_event: impl FnMut(LaunchEvent)) -> Resul
             .env("MOEFUSE_LOCAL_RANK", rank.to_string())
             .env("MOEFUSE_LOCAL_WORLD_SIZE", &n)
             .env("MOEFUSE_RENDEZVOUS", server.addr().to_string())
+            .env("MOEFUSE_RENDEZVOUS_TOKEN", token.as_str())
             .env("MOEFUSE_JOB_ID", &job_id)
             .env("CUDA_VISIBLE_DEVICES", &gpus[rank % gpus.len()])
             .envs(spec.env.iter().map(|(k, v)| (k, v)));
@@ -347,12 +389,12 @@ pub fn launch(spec: &LaunchSpec, mut on_event: impl FnMut(LaunchEvent)) -> Resul
         on_event(event);
     }
     match (failure, timed_out) {
-        (Some((rank, status)), _) => Err(CommError::RankFailed {
+        (Some((rank, status)), _) => Err(LaunchError::RankFailed {
             rank,
             world_size: spec.nprocs,
             status: status.to_string(),
         }),
-        (None, Some(running)) => Err(CommError::LaunchTimeout {
+        (None, Some(running)) => Err(LaunchError::LaunchTimeout {
             secs: spec.timeout.unwrap_or_default().as_secs(),
             running,
         }),

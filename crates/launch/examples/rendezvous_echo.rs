@@ -2,7 +2,7 @@
 //! no GPU needed).
 //!
 //! ```sh
-//! cargo build -p moefuse-comm --example rendezvous_echo
+//! cargo build -p moefuse-launch --example rendezvous_echo
 //! cargo xtask launch -n 3 -- target/debug/examples/rendezvous_echo            # exit 0
 //! cargo xtask launch -n 3 -- target/debug/examples/rendezvous_echo --fail 1   # rank 1 fails
 //! ```
@@ -10,7 +10,7 @@
 //! Each rank prints `rank R of N: id <hex>`; `--fail R` makes rank R exit 3 after the
 //! exchange. Started without a launcher, it says SKIPPED and exits 0.
 
-use moefuse_comm::{exchange_unique_id, LaunchEnv};
+use moefuse_launch::{exchange_unique_id, LaunchEnv};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -32,7 +32,7 @@ fn main() -> ExitCode {
     // A stand-in for `UniqueId::create(&lib)?.to_hex()`: 256 hex digits, new per job.
     let fake_id = || {
         let hex: String = env.job_id().bytes().map(|b| format!("{b:02x}")).collect();
-        Ok(format!("{hex:0>256}"))
+        Ok::<_, moefuse_launch::LaunchError>(format!("{hex:0>256}"))
     };
     match exchange_unique_id(&env, fake_id) {
         Ok(id) => println!("rank {} of {}: id {id}", env.rank, env.world_size),
