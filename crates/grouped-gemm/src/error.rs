@@ -18,7 +18,8 @@ pub enum Operand {
 }
 
 /// Everything a GEMM call can fail with; all host-knowable cases fail before any launch.
-#[derive(Debug, thiserror::Error)]
+/// Comparable and cloneable (as [`KernelError`] is), so callers' error enums can derive both.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum GemmError {
     /// A dimension is zero where the kernel needs work, or too large for 32-bit indexing.
     #[error("invalid shape m={m} n={n} k={k}: {why}")]

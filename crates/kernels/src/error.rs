@@ -41,8 +41,9 @@ impl Status {
     }
 }
 
-/// Everything the kernel layer can fail with.
-#[derive(Debug, thiserror::Error)]
+/// Everything the kernel layer can fail with. Comparable and cloneable, so errors of the
+/// crates above (which wrap it with `#[from]`) can be compared in tests.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
     /// A launcher returned a non-OK status.
     #[error("kernel {variant} returned {status:?}: {message}")]

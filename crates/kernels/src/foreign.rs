@@ -1,8 +1,13 @@
 //! Driver checks of device addresses that come from outside cudarc (the raw launch entry,
 //! [`crate::Kernels::launch_grouped_raw`]): the address is device memory of the handle's
-//! device, and its allocation holds the operand's extent.
+//! device, and its allocation holds the operand's extent; and the binding of a grouped GEMM
+//! on such addresses ([`bind_grouped_raw`]).
 
-use crate::{KernelError, Kernels};
+use crate::launch::{check_align, check_len, Call};
+use crate::ops::{
+    grouped_args, grouped_entry, grouped_extents, GROUPED_WORKSPACE_ALIGN, OPERAND_ALIGN,
+};
+use crate::{CompiledVariant, GroupedShape, KernelError, Kernels, RawGrouped};
 use cudarc::driver::sys;
 use std::ffi::c_void;
 
@@ -91,4 +96,46 @@ pub(crate) fn check_stream(
         expected_ctx: ours.cu_ctx() as usize,
         found_ctx: ctx as usize,
     })
+}
+
+/// The checks of [`GroupedGemm::bind`] on foreign addresses: the same host rules, and the
+/// driver's word that each address is device memory of the handle's context with room for
+/// its extent.
+pub(crate) fn bind_grouped_raw(
+    kernels: &Kernels,
+    variant: &'static CompiledVariant,
+    s: &GroupedShape,
+    raw: &RawGrouped,
+    kernel: &str,
+) -> Result<Option<Call>, KernelError> {
+    let (run, _) = grouped_entry(kernels, variant, kernel)?;
+    let need = kernels.grouped_workspace(variant, s)?;
+    let [ea, eb, ed] = grouped_extents(kernel, variant.spec.op, s)?;
+    check_len(kernel, "workspace", need, raw.workspace_bytes)?;
+    if s.groups == 0 {
+        return Ok(None);
+    }
+    for (operand, ptr, elems, size, align) in [
+        ("offsets", raw.offsets, s.groups, 4, 4),
+        ("a", raw.a, ea, 2, OPERAND_ALIGN),
+        ("b", raw.b, eb, 2, OPERAND_ALIGN),
+        ("d", raw.d, ed, 2, OPERAND_ALIGN),
+        ("workspace", raw.workspace, need, 1, GROUPED_WORKSPACE_ALIGN),
+    ] {
+        check_align(kernel, operand, ptr, align)?;
+        check_range_of(kernels, kernel, operand, ptr, elems, size)?;
+    }
+    let args = grouped_args(
+        variant.spec.op,
+        s,
+        kernel,
+        raw.offsets,
+        [raw.a, raw.b, raw.d],
+    )?;
+    Ok(Some(Call::Grouped {
+        run,
+        args,
+        workspace: raw.workspace,
+        workspace_bytes: raw.workspace_bytes,
+    }))
 }

@@ -261,7 +261,7 @@ impl Kernels {
         let kernel = variant.name();
         self.ctx.bind_to_thread()?;
         crate::foreign::check_stream(self, &kernel, raw.stream)?;
-        let call = crate::ops::bind_grouped_raw(self, variant, shape, &raw, &kernel)?;
+        let call = crate::foreign::bind_grouped_raw(self, variant, shape, &raw, &kernel)?;
         let Some(call) = call else {
             return Ok(());
         };
@@ -561,57 +561,4 @@ impl Call {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn arch_is_checked_once_with_the_found_capability() {
-        assert_eq!(arch_of(10, 0).unwrap(), VariantArch::Sm100a);
-        match arch_of(8, 0) {
-            Err(KernelError::UnsupportedArch { major: 8, minor: 0 }) => {}
-            other => panic!("{other:?}"),
-        }
-        match require_built(VariantArch::Sm100a, &["sm90a"]) {
-            Err(KernelError::ArchNotBuilt {
-                arch: "sm100a",
-                built,
-            }) => assert_eq!(built, "sm90a"),
-            other => panic!("{other:?}"),
-        }
-        assert!(require_built(VariantArch::Sm90a, &["sm90a", "sm100a"]).is_ok());
-    }
-
-    #[test]
-    fn sizes_convert_once_with_the_offending_value() {
-        assert_eq!(to_i32("k", "m", 7).unwrap(), 7);
-        match to_i32("k", "m", 1 << 31) {
-            Err(KernelError::OutOfRange {
-                what: "m",
-                value,
-                max,
-                ..
-            }) => {
-                assert_eq!((value, max), (1 << 31, i32::MAX as i128))
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(extent("k", "a", &[usize::MAX, 2]).is_err());
-        assert_eq!(extent("k", "a", &[3, 4, 5]).unwrap(), 60);
-        assert!(matches!(
-            check_align("k", "a", 0x1008, 16),
-            Err(KernelError::Misaligned {
-                address: 0x1008,
-                required: 16,
-                ..
-            })
-        ));
-        assert!(matches!(
-            check_len("k", "d", 10, 9),
-            Err(KernelError::BufferTooSmall {
-                needed: 10,
-                got: 9,
-                ..
-            })
-        ));
-    }
-}
+mod tests;

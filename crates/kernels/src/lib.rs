@@ -9,11 +9,17 @@
 //!
 //! 1. [`VARIANTS`] is the table of every variant; [`compiled`] lists those in this build.
 //! 2. [`built_archs`] says which targets were compiled.
-//! 3. [`launch_gemm`] is the one `unsafe` entry: it calls a variant's launcher and turns
-//!    its status into a [`KernelError`]. Safe wrappers live in `moefuse-grouped-gemm`.
-//! 4. The MoE kernels that are not GEMMs (router, activation; `kernels/moe/`) are one fat
-//!    object each (SASS for every built arch), so they have one launcher each, not one per
-//!    variant: [`launch_moe`] with a [`MoeArgs`]. Safe wrappers live in `moefuse` (`gpu`).
+//! 3. [`Kernels`] is the typed launch layer (module `launch`), the one door to the C
+//!    launchers: a per-context handle checks the ABI and the architecture once;
+//!    [`Kernels::launch`] takes an operation ([`Gemm`], [`GroupedGemm`], [`RouterForward`],
+//!    [`RouterBackward`], [`Activation`], [`Permute`], [`CombineForward`],
+//!    [`CombineBackward`]) whose buffers are cudarc slices or views, checks sizes, limits,
+//!    device, length and alignment on the host, holds the buffers' guards and makes the one
+//!    `unsafe` call. Crates above this one need no `unsafe`.
+//! 4. The MoE kernels that are not GEMMs (router, activation, permutation, combine;
+//!    `cuda/moe/`) are one fat object each (SASS for every built arch), so they have one
+//!    launcher each, not one per variant; [`Kernels::launch`] reaches them too, and
+//!    [`moe_permute_workspace`] sizes the permutation's scratch.
 //!
 //! ```
 //! for v in moefuse_kernels::compiled() {
@@ -23,17 +29,32 @@
 
 pub mod ffi;
 
+#[cfg(feature = "c-bridge")]
+pub mod bridge;
 mod error;
-#[allow(clippy::all)]
-mod variant_table;
+mod foreign;
+mod launch;
+mod moe_ops;
+mod ops;
 
 pub use error::{KernelError, Status};
-pub use variant_table::{Op, Schedule, VariantArch, VariantSpec, VARIANTS};
+pub use launch::{arch_of, Kernels, Launch};
+pub use moe_ops::{
+    Activation, ActivationKind, CombineBackward, CombineForward, GateUpLayout, Permute,
+    RouterBackward, RouterForward, RouterScoring,
+};
+pub use ops::{
+    Gemm, GemmShape, GroupedGemm, GroupedShape, RawGrouped, CONTIGUOUS_MAX_GROUPS,
+    ZERO_EMPTY_GROUPS_MAX,
+};
+pub use moefuse_spec::{Op, Schedule, VariantArch, VariantSpec, VARIANTS};
 
-use std::ffi::c_void;
-
+// The generated registry (`registry.rs`, included below) names these unqualified in its
+// `extern` block; a build without GEMM kernels (no arch, or feature `gemm` off) has none.
 #[allow(unused_imports)]
 use ffi::{MoefuseGemmArgs, MoefuseGroupedGemmArgs, MoefuseStatus};
+#[allow(unused_imports)]
+use std::ffi::c_void;
 
 /// A variant's two C entry points, typed by the argument struct they take.
 #[derive(Debug, Clone, Copy)]
@@ -109,188 +130,6 @@ pub fn check_abi() -> Result<(), KernelError> {
     Ok(())
 }
 
-/// Bytes of device workspace the dense `variant` needs for `args` (0 when the device or
-/// the arguments do not fit the variant; [`launch_gemm`] then reports why).
-pub fn gemm_workspace_bytes(
-    variant: &CompiledVariant,
-    args: &MoefuseGemmArgs,
-) -> Result<usize, KernelError> {
-    match variant.entry {
-        // SAFETY: the query reads `args` (a valid reference for the call) and device
-        // attributes; it dereferences none of the pointers inside `args`.
-        Entry::Gemm { workspace, .. } => Ok(unsafe { workspace(args) }),
-        Entry::Grouped { .. } => Err(KernelError::WrongEntry {
-            variant: variant.name(),
-            expected: "dense",
-        }),
-    }
-}
-
-/// Bytes of device workspace the grouped `variant` needs for `args` (0 when the device or
-/// the arguments do not fit; [`launch_grouped`] then reports why).
-pub fn grouped_workspace_bytes(
-    variant: &CompiledVariant,
-    args: &MoefuseGroupedGemmArgs,
-) -> Result<usize, KernelError> {
-    match variant.entry {
-        Entry::Grouped { workspace, .. } => {
-            // SAFETY: as for gemm_workspace_bytes: sizes and device attributes only.
-            let bytes = unsafe { workspace(args) };
-            // Any grouped problem needs its per-group arrays: 0 means the query refused.
-            if bytes == 0 && args.num_groups > 0 {
-                return Err(KernelError::WorkspaceQuery {
-                    variant: variant.name(),
-                    message: last_error(),
-                });
-            }
-            Ok(bytes)
-        }
-        Entry::Gemm { .. } => Err(KernelError::WrongEntry {
-            variant: variant.name(),
-            expected: "grouped",
-        }),
-    }
-}
-
-/// Launches `variant` on `stream` with `args` and `workspace`.
-///
-/// # Safety
-/// Every pointer in `args` must address device memory of the current context, valid for
-/// the extents `args` describes (A `m x lda`, B per layout, C and D `m x ldc`/`ldd`) until
-/// the kernel has finished on `stream`; `workspace` must address `workspace_bytes` of
-/// device memory (or be null when 0 bytes are needed); `stream` must be a live stream of
-/// the current context; the caller must have made that context current on this thread.
-pub unsafe fn launch_gemm(
-    variant: &CompiledVariant,
-    args: &MoefuseGemmArgs,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    stream: *mut c_void,
-) -> Result<(), KernelError> {
-    let Entry::Gemm { run, .. } = variant.entry else {
-        return Err(KernelError::WrongEntry {
-            variant: variant.name(),
-            expected: "dense",
-        });
-    };
-    // SAFETY: forwarded from this function's contract.
-    let raw = unsafe { run(args, workspace, workspace_bytes, stream) };
-    status(variant, raw)
-}
-
-/// Launches the grouped `variant` on `stream` with `args` and `workspace`.
-///
-/// # Safety
-/// `args.offsets` must address `num_groups` int32 in device memory; `a`, `b`, `d` device
-/// memory of the current context valid for the extents abi.h gives for the variant's kind
-/// (rows up to `total_rows`, `num_groups` weight or output matrices), until the kernels have
-/// finished on `stream`; `workspace` at least the queried bytes, 256-byte aligned; `stream` a
-/// live stream of the current context, made current on this thread.
-pub unsafe fn launch_grouped(
-    variant: &CompiledVariant,
-    args: &MoefuseGroupedGemmArgs,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    stream: *mut c_void,
-) -> Result<(), KernelError> {
-    let Entry::Grouped { run, .. } = variant.entry else {
-        return Err(KernelError::WrongEntry {
-            variant: variant.name(),
-            expected: "grouped",
-        });
-    };
-    // SAFETY: forwarded from this function's contract.
-    let raw = unsafe { run(args, workspace, workspace_bytes, stream) };
-    status(variant, raw)
-}
-
-/// The arguments of one MoE kernel launch: which kernel, and its argument struct.
-#[derive(Debug, Clone, Copy)]
-pub enum MoeArgs<'a> {
-    /// `moefuse_moe_router_fwd`: logits to top-k ids and weights.
-    RouterForward(&'a ffi::MoefuseRouterArgs),
-    /// `moefuse_moe_router_bwd`: `d_logits` from `d_topk_weights`.
-    RouterBackward(&'a ffi::MoefuseRouterBwdArgs),
-    /// `moefuse_moe_activation_fwd`: `h` from `h_pre`.
-    ActivationForward(&'a ffi::MoefuseActivationArgs),
-    /// `moefuse_moe_activation_bwd`: `d_h_pre` from `dh` and `h_pre`.
-    ActivationBackward(&'a ffi::MoefuseActivationArgs),
-    /// `moefuse_moe_permute`: expert-major rows, offsets, and the gather of x.
-    Permute(&'a ffi::MoefusePermuteArgs),
-    /// `moefuse_moe_combine`: weighted slot sums back to tokens.
-    Combine(&'a ffi::MoefuseCombineArgs),
-    /// `moefuse_moe_combine_bwd`: `dy_perm` and `d_weights`.
-    CombineBackward(&'a ffi::MoefuseCombineBwdArgs),
-}
-
-impl MoeArgs<'_> {
-    /// The C launcher's name.
-    ///
-    /// ```
-    /// use moefuse_kernels::{ffi::MoefuseActivationArgs, MoeArgs};
-    /// let a = MoefuseActivationArgs { activation: 0, layout: 0, intermediate: 64, max_rows: 0,
-    ///     alpha: 0.0, limit: 0.0, total_rows: std::ptr::null(), h_pre: std::ptr::null(),
-    ///     dh: std::ptr::null(), out: std::ptr::null_mut() };
-    /// assert_eq!(MoeArgs::ActivationForward(&a).kernel(), "moefuse_moe_activation_fwd");
-    /// ```
-    pub fn kernel(&self) -> &'static str {
-        match self {
-            MoeArgs::RouterForward(_) => "moefuse_moe_router_fwd",
-            MoeArgs::RouterBackward(_) => "moefuse_moe_router_bwd",
-            MoeArgs::ActivationForward(_) => "moefuse_moe_activation_fwd",
-            MoeArgs::ActivationBackward(_) => "moefuse_moe_activation_bwd",
-            MoeArgs::Permute(_) => "moefuse_moe_permute",
-            MoeArgs::Combine(_) => "moefuse_moe_combine",
-            MoeArgs::CombineBackward(_) => "moefuse_moe_combine_bwd",
-        }
-    }
-}
-
-/// Launches the MoE kernel `args` names on `stream`. In a build without kernels it returns
-/// a `Launch` error with [`Status::ArchMismatch`] and launches nothing.
-///
-/// # Safety
-/// Every pointer inside `args` must address device memory of the current context valid for
-/// the extents abi.h gives for that kernel (router: `tokens x experts` logits and
-/// `tokens x top_k` ids and weights, `experts` bias; activation: `max_rows` rows of `W` and
-/// `I` bf16 and one int32 row count), until the kernel has finished on `stream`; `stream`
-/// must be a live stream of the current context, made current on this thread.
-pub unsafe fn launch_moe(args: MoeArgs<'_>, stream: *mut c_void) -> Result<(), KernelError> {
-    #[cfg(moefuse_kernels_linked)]
-    {
-        // SAFETY: forwarded from this function's contract; each launcher reads its argument
-        // struct (a valid reference for the call) and enqueues on `stream`.
-        let raw = unsafe {
-            match args {
-                MoeArgs::RouterForward(a) => ffi::moefuse_moe_router_fwd(a, stream),
-                MoeArgs::RouterBackward(a) => ffi::moefuse_moe_router_bwd(a, stream),
-                MoeArgs::ActivationForward(a) => ffi::moefuse_moe_activation_fwd(a, stream),
-                MoeArgs::ActivationBackward(a) => ffi::moefuse_moe_activation_bwd(a, stream),
-                MoeArgs::Permute(a) => ffi::moefuse_moe_permute(a, stream),
-                MoeArgs::Combine(a) => ffi::moefuse_moe_combine(a, stream),
-                MoeArgs::CombineBackward(a) => ffi::moefuse_moe_combine_bwd(a, stream),
-            }
-        };
-        if raw == ffi::MOEFUSE_STATUS_OK {
-            return Ok(());
-        }
-        Err(KernelError::Launch {
-            variant: args.kernel().to_string(),
-            status: Status::from_raw(raw),
-            message: last_error(),
-        })
-    }
-    #[cfg(not(moefuse_kernels_linked))]
-    {
-        let _ = stream;
-        Err(KernelError::Launch {
-            variant: args.kernel().to_string(),
-            status: Status::ArchMismatch,
-            message: "built without kernels (MOEFUSE_CUDA_ARCHS=none)".into(),
-        })
-    }
-}
-
 /// Bytes of workspace `moefuse_moe_permute` needs for `tokens` tokens over `experts`
 /// experts (the same formula without kernels, so sizes never depend on the build).
 ///
@@ -300,17 +139,6 @@ pub unsafe fn launch_moe(args: MoeArgs<'_>, stream: *mut c_void) -> Result<(), K
 pub fn moe_permute_workspace(tokens: usize, experts: usize) -> usize {
     let chunks = tokens.div_ceil(256).max(1);
     chunks * experts.max(1) * 4
-}
-
-fn status(variant: &CompiledVariant, raw: MoefuseStatus) -> Result<(), KernelError> {
-    if raw == ffi::MOEFUSE_STATUS_OK {
-        return Ok(());
-    }
-    Err(KernelError::Launch {
-        variant: variant.name(),
-        status: Status::from_raw(raw),
-        message: last_error(),
-    })
 }
 
 /// The library's message for the last failure on this thread.

@@ -6,6 +6,8 @@
 //!
 //! Without a GPU it prints why and runs the CPU reference of a small layer instead.
 
+#![forbid(unsafe_code)]
+
 use half::bf16;
 use moefuse::gpu::{MoeLayer, Routing};
 use moefuse::reference::{self, MoeWeights, RoutingInput};

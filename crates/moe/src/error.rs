@@ -199,32 +199,15 @@ pub enum MoeError {
         /// The stream's device ordinal.
         stream: usize,
     },
-    /// The device's architecture has no kernels in this build.
-    #[error(
-        "device has compute capability {major}.{minor}; moefuse's kernels were built for [{built}] \
-         (MOEFUSE_CUDA_ARCHS; supported: 90a, 100a)"
-    )]
-    ArchNotBuilt {
-        /// The device's compute capability, major.
-        major: i32,
-        /// The device's compute capability, minor.
-        minor: i32,
-        /// The targets this build compiled.
-        built: String,
-    },
-    /// A kernel launcher (or the kernel library's ABI check) failed.
-    #[error("{kernel} failed ({status:?}): {message}")]
-    Kernel {
-        /// The launcher.
-        kernel: String,
-        /// The ABI status.
-        status: moefuse_kernels::Status,
-        /// The library's message.
-        message: String,
-    },
+    /// The kernel layer refused a launch on the host (the device's architecture not built,
+    /// a buffer of another context, too short or misaligned, a size outside what the kernel
+    /// implements) or the library failed it; the [`KernelError`](moefuse_kernels::KernelError)
+    /// names the kernel, the operand and the offending values.
+    #[error(transparent)]
+    Kernel(#[from] moefuse_kernels::KernelError),
     /// A grouped GEMM of the layer rejected its problem or failed to launch.
     #[error("grouped GEMM: {0}")]
-    Gemm(String),
+    Gemm(#[from] moefuse_grouped_gemm::GemmError),
     /// Device-resident routing state the kernels found invalid (they skipped the offending
     /// slots and raised bits in a [`DeviceErrors`](crate::gpu::DeviceErrors) word; see
     /// `DeviceErrors::take` and `MoeLayer::take_routing_errors`).
@@ -250,32 +233,4 @@ pub enum MoeError {
     /// The CUDA driver reported an error.
     #[error("CUDA driver error: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
-}
-
-impl From<moefuse_kernels::KernelError> for MoeError {
-    fn from(e: moefuse_kernels::KernelError) -> Self {
-        use moefuse_kernels::{KernelError, Status};
-        match e {
-            KernelError::Launch {
-                variant,
-                status,
-                message,
-            } => MoeError::Kernel {
-                kernel: variant,
-                status,
-                message,
-            },
-            other => MoeError::Kernel {
-                kernel: "moefuse-kernels".into(),
-                status: Status::Internal,
-                message: other.to_string(),
-            },
-        }
-    }
-}
-
-impl From<moefuse_grouped_gemm::GemmError> for MoeError {
-    fn from(e: moefuse_grouped_gemm::GemmError) -> Self {
-        MoeError::Gemm(e.to_string())
-    }
 }

@@ -1,5 +1,7 @@
 //! Activation values at hand-computed points and derivatives against finite differences.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::{close, Rng};

@@ -1,5 +1,7 @@
 //! Configuration rules: each one rejected with its own error.
 
+#![forbid(unsafe_code)]
+
 use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 
 fn grouped(n_group: usize, topk_group: usize) -> RouterKind {

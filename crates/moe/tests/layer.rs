@@ -1,6 +1,8 @@
 //! The whole layer: forward against a naive per-token computation, every gradient against
 //! f64 central finite differences of `L = Σ r·y`, accumulation, and input checks.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::{close, weighted_sum, Rng};

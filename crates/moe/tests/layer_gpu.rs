@@ -5,6 +5,8 @@
 //! a single token, gradient accumulation, and a CUDA graph replayed with new inputs. Outputs
 //! are poisoned before each run; relative errors < 2e-2 (bf16 storage of every tensor).
 
+#![forbid(unsafe_code)]
+
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{MoeLayer, Routing};
@@ -287,9 +289,12 @@ fn layer_cases(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// Forward + backward captured once, replayed with new x, logits and dy: equal to eager.
 fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    // SAFETY: every buffer of this test lives on the one capture stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().map_err(e)?;
+    // A fresh handle on the device's primary context that never creates a stream of its
+    // own stays out of cudarc's multi-stream mode, so cudarc records no per-buffer events
+    // (which must not enter the captured graph); capture runs on the per-thread default
+    // stream (the legacy stream cannot be captured). No tracking opt-out is needed.
+    let ctx = &CudaContext::new(ctx.ordinal()).map_err(e)?;
+    let stream = ctx.per_thread_stream();
     let case = &cases()[0];
     let (t, d, ex) = (case.tokens, case.cfg.hidden, case.cfg.experts);
     let seed = Rng::fresh_seed();
@@ -475,9 +480,12 @@ fn failed_forward_leaves_no_state(ctx: &Arc<CudaContext>) -> Result<(), String> 
 /// forward + backward afterwards is clean.
 fn stale_graph_state_is_flagged(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    // SAFETY: every buffer of this test lives on the one capture stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().map_err(e)?;
+    // A fresh handle on the device's primary context that never creates a stream of its
+    // own stays out of cudarc's multi-stream mode, so cudarc records no per-buffer events
+    // (which must not enter the captured graph); capture runs on the per-thread default
+    // stream (the legacy stream cannot be captured). No tracking opt-out is needed.
+    let ctx = &CudaContext::new(ctx.ordinal()).map_err(e)?;
+    let stream = ctx.per_thread_stream();
     let case = &cases()[0];
     let (a, d) = (case.tokens, case.cfg.hidden);
     let b = a / 2;

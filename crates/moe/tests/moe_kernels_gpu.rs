@@ -4,6 +4,8 @@
 //! not touch keep their bits), row counts read on the device (clamped to the capacity) and
 //! misaligned views (the scalar path). Without a GPU every test prints SKIPPED and is ignored.
 
+#![forbid(unsafe_code)]
+
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 use half::bf16;
 use moefuse::gpu::{self, ActivationDesc, DeviceErrors, PermuteBuffers, Rows};

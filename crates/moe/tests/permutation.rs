@@ -1,5 +1,7 @@
 //! The expert-major permutation: counts, offsets, stability, inverse, empty experts.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::Rng;

@@ -1,5 +1,7 @@
 //! Router selection (ties, groups, bias), weights, and d_logits against finite differences.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::{close, Rng};

@@ -1,11 +1,11 @@
 //! The activation on the GPU: [`activation_forward`] and [`activation_backward`] over the
 //! expert-major intermediate, bf16 in and out, fp32 math (kernels/moe/activation.cu).
 
-use super::{check_buffer, check_max, prepare_device};
+use super::{check_buffer, check_max, kernels_for};
 use crate::{Activation, GateUpLayout, MoeConfig, MoeError};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse_kernels::{ffi, MoeArgs};
+use moefuse_kernels::{self as mk, Kernels};
 use std::sync::Arc;
 
 /// The largest intermediate size `I` the kernels take.
@@ -89,24 +89,20 @@ impl ActivationDesc {
         check_max("intermediate", self.intermediate, MAX_INTERMEDIATE)
     }
 
-    /// The ABI's (activation, layout, alpha, limit).
-    fn abi(&self) -> (i32, i32, f32, f32) {
+    /// The kernels' activation and gate/up layout.
+    fn kernel_kind(&self) -> (mk::ActivationKind, mk::GateUpLayout) {
         let layout = match self.layout {
-            GateUpLayout::Split => ffi::MOEFUSE_GATE_UP_SPLIT,
-            GateUpLayout::Interleaved => ffi::MOEFUSE_GATE_UP_INTERLEAVED,
+            GateUpLayout::Split => mk::GateUpLayout::Split,
+            GateUpLayout::Interleaved => mk::GateUpLayout::Interleaved,
         };
-        let (act, alpha, limit) = match self.activation {
-            Activation::SwiGlu => (ffi::MOEFUSE_ACTIVATION_SWIGLU, 0.0, 0.0),
-            Activation::GeGlu => (ffi::MOEFUSE_ACTIVATION_GEGLU, 0.0, 0.0),
-            Activation::SwiGluOai { alpha, limit } => {
-                (ffi::MOEFUSE_ACTIVATION_SWIGLU_OAI, alpha, limit)
-            }
-            Activation::BoundedSwiGlu { limit } => {
-                (ffi::MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, 0.0, limit)
-            }
-            Activation::Relu2 => (ffi::MOEFUSE_ACTIVATION_RELU2, 0.0, 0.0),
+        let kind = match self.activation {
+            Activation::SwiGlu => mk::ActivationKind::SwiGlu,
+            Activation::GeGlu => mk::ActivationKind::GeGlu,
+            Activation::SwiGluOai { alpha, limit } => mk::ActivationKind::SwiGluOai { alpha, limit },
+            Activation::BoundedSwiGlu { limit } => mk::ActivationKind::BoundedSwiGlu { limit },
+            Activation::Relu2 => mk::ActivationKind::Relu2,
         };
-        (act, layout, alpha, limit)
+        (kind, layout)
     }
 }
 
@@ -172,7 +168,7 @@ fn check_common(
     desc: &ActivationDesc,
     stream: &CudaStream,
     rows: &Rows<'_>,
-    h_pre: &impl DevicePtr<bf16>,
+    h_pre: &dyn DevicePtr<bf16>,
 ) -> Result<(usize, usize), MoeError> {
     desc.validate()?;
     check_max("rows capacity", rows.capacity, i32::MAX as usize)?;
@@ -189,26 +185,32 @@ fn check_common(
     Ok((i, w))
 }
 
-fn raw_args(
+/// Launches the activation (forward, or backward with `backward = Some(dh)`) on checked
+/// buffers: `rows.capacity() > 0`, lengths and devices checked by the caller.
+fn launch(
+    kernels: &Kernels,
+    stream: &Arc<CudaStream>,
     desc: &ActivationDesc,
     rows: &Rows<'_>,
-    count: u64,
-    ptrs: [u64; 3],
-) -> ffi::MoefuseActivationArgs {
-    let (activation, layout, alpha, limit) = desc.abi();
-    let [h_pre, dh, out] = ptrs;
-    ffi::MoefuseActivationArgs {
-        activation,
-        layout,
-        intermediate: desc.intermediate as i32, // validate: <= 2^29
-        max_rows: rows.capacity as i32,         // checked: <= i32::MAX
-        alpha,
-        limit,
-        total_rows: count as *const i32,
-        h_pre: h_pre as *const std::ffi::c_void,
-        dh: dh as *const std::ffi::c_void,
-        out: out as *mut std::ffi::c_void,
-    }
+    h_pre: &dyn DevicePtr<bf16>,
+    backward: Option<&dyn DevicePtr<bf16>>,
+    out: &mut dyn DevicePtrMut<bf16>,
+) -> Result<(), MoeError> {
+    let (kind, layout) = desc.kernel_kind();
+    kernels.launch(
+        stream,
+        mk::Activation {
+            kind,
+            layout,
+            intermediate: desc.intermediate,
+            max_rows: rows.capacity,
+            total_rows: rows.count,
+            h_pre,
+            backward,
+            out,
+        },
+    )?;
+    Ok(())
 }
 
 /// `h [rows, I] = act(h_pre [rows, W])` on `stream`, bf16 in and out, fp32 math, as
@@ -237,28 +239,27 @@ where
     X: DevicePtr<bf16>,
     H: DevicePtrMut<bf16>,
 {
+    activation_forward_with(None, desc, stream, rows, h_pre, h)
+}
+
+/// [`activation_forward`] through `kernels` (the layer's handle), or a handle bound for the
+/// call.
+pub(super) fn activation_forward_with(
+    kernels: Option<&Kernels>,
+    desc: &ActivationDesc,
+    stream: &Arc<CudaStream>,
+    rows: Rows<'_>,
+    h_pre: &dyn DevicePtr<bf16>,
+    h: &mut dyn DevicePtrMut<bf16>,
+) -> Result<(), MoeError> {
     let (i, _) = check_common(desc, stream, &rows, h_pre)?;
     check_buffer("h [rows, I]", h, rows.capacity * i, stream)?;
     if rows.capacity == 0 {
         return Ok(());
     }
-    prepare_device(stream)?;
-    let count_guard = rows.count.map(|c| c.device_ptr(stream));
-    let count_ptr = count_guard.as_ref().map_or(0, |(p, _)| *p);
-    let (x_ptr, _x_sync) = h_pre.device_ptr(stream);
-    let (h_ptr, _h_sync) = h.device_ptr_mut(stream);
-    let args = raw_args(desc, &rows, count_ptr, [x_ptr, 0, h_ptr]);
-    // SAFETY: h_pre holds >= capacity·W and h >= capacity·I bf16, the row count (if any)
-    // >= 1 int32, all on the stream's device (checked); the kernel clamps the count to
-    // capacity, so its value cannot lead outside the buffers; the guards order the buffers
-    // on `stream` until the end of this scope; the context is current (prepare_device).
-    unsafe {
-        moefuse_kernels::launch_moe(
-            MoeArgs::ActivationForward(&args),
-            stream.cu_stream() as *mut std::ffi::c_void,
-        )?;
-    }
-    Ok(())
+    let mut owned = None;
+    let kernels = kernels_for(kernels, &mut owned, stream)?;
+    launch(kernels, stream, desc, &rows, h_pre, None, h)
 }
 
 /// `d_h_pre [rows, W]` from `dh [rows, I]` and the forward's `h_pre [rows, W]` on `stream`
@@ -291,30 +292,29 @@ where
     G: DevicePtr<bf16>,
     D: DevicePtrMut<bf16>,
 {
+    activation_backward_with(None, desc, stream, rows, h_pre, dh, d_h_pre)
+}
+
+/// [`activation_backward`] through `kernels` (the layer's handle), or a handle bound for
+/// the call.
+pub(super) fn activation_backward_with(
+    kernels: Option<&Kernels>,
+    desc: &ActivationDesc,
+    stream: &Arc<CudaStream>,
+    rows: Rows<'_>,
+    h_pre: &dyn DevicePtr<bf16>,
+    dh: &dyn DevicePtr<bf16>,
+    d_h_pre: &mut dyn DevicePtrMut<bf16>,
+) -> Result<(), MoeError> {
     let (i, w) = check_common(desc, stream, &rows, h_pre)?;
     check_buffer("dh [rows, I]", dh, rows.capacity * i, stream)?;
     check_buffer("d_h_pre [rows, W]", d_h_pre, rows.capacity * w, stream)?;
     if rows.capacity == 0 {
         return Ok(());
     }
-    prepare_device(stream)?;
-    let count_guard = rows.count.map(|c| c.device_ptr(stream));
-    let count_ptr = count_guard.as_ref().map_or(0, |(p, _)| *p);
-    let (x_ptr, _x_sync) = h_pre.device_ptr(stream);
-    let (dh_ptr, _dh_sync) = dh.device_ptr(stream);
-    let (out_ptr, _out_sync) = d_h_pre.device_ptr_mut(stream);
-    let args = raw_args(desc, &rows, count_ptr, [x_ptr, dh_ptr, out_ptr]);
-    // SAFETY: h_pre and d_h_pre hold >= capacity·W and dh >= capacity·I bf16, the row count
-    // (if any) >= 1 int32, all on the stream's device (checked); the kernel clamps the count
-    // to capacity; the guards order the buffers on `stream` until the end of this scope; the
-    // context is current (prepare_device).
-    unsafe {
-        moefuse_kernels::launch_moe(
-            MoeArgs::ActivationBackward(&args),
-            stream.cu_stream() as *mut std::ffi::c_void,
-        )?;
-    }
-    Ok(())
+    let mut owned = None;
+    let kernels = kernels_for(kernels, &mut owned, stream)?;
+    launch(kernels, stream, desc, &rows, h_pre, Some(dh), d_h_pre)
 }
 
 #[cfg(test)]
@@ -322,24 +322,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn abi_fields_follow_the_activation() {
-        let d = |a| ActivationDesc::new(a, GateUpLayout::Interleaved, 64).abi();
+    fn kernel_kind_follows_the_activation() {
+        let d = |a| ActivationDesc::new(a, GateUpLayout::Interleaved, 64).kernel_kind();
         assert_eq!(
             d(Activation::swiglu_oai()),
             (
-                ffi::MOEFUSE_ACTIVATION_SWIGLU_OAI,
-                ffi::MOEFUSE_GATE_UP_INTERLEAVED,
-                1.702,
-                7.0
+                mk::ActivationKind::SwiGluOai {
+                    alpha: 1.702,
+                    limit: 7.0
+                },
+                mk::GateUpLayout::Interleaved
             )
         );
         assert_eq!(
             d(Activation::BoundedSwiGlu { limit: 3.0 }).0,
-            ffi::MOEFUSE_ACTIVATION_BOUNDED_SWIGLU
+            mk::ActivationKind::BoundedSwiGlu { limit: 3.0 }
         );
-        assert_eq!(d(Activation::Relu2).0, ffi::MOEFUSE_ACTIVATION_RELU2);
-        assert_eq!(d(Activation::GeGlu).0, ffi::MOEFUSE_ACTIVATION_GEGLU);
-        assert_eq!(d(Activation::SwiGlu).0, ffi::MOEFUSE_ACTIVATION_SWIGLU);
+        assert_eq!(d(Activation::Relu2).0, mk::ActivationKind::Relu2);
+        assert_eq!(d(Activation::GeGlu).0, mk::ActivationKind::GeGlu);
+        assert_eq!(d(Activation::SwiGlu).0, mk::ActivationKind::SwiGlu);
+        let split = ActivationDesc::new(Activation::SwiGlu, GateUpLayout::Split, 64);
+        assert_eq!(split.kernel_kind().1, mk::GateUpLayout::Split);
     }
 
     #[test]

@@ -17,15 +17,19 @@
 //!
 //! Every call checks sizes, buffer lengths and devices (every buffer's context is the
 //! stream's) before anything is launched and returns a [`MoeError`] naming what is wrong;
-//! outputs are caller-owned, so calls can be captured in CUDA graphs.
+//! outputs are caller-owned, so calls can be captured in CUDA graphs. Launches go through
+//! `moefuse-kernels`' typed launch layer ([`moefuse_kernels::Kernels::launch`]), which checks
+//! every buffer again (context, length, alignment) and alone calls into C; this crate
+//! itself is safe Rust only. [`MoeLayer`] binds one [`Kernels`] handle (its grouped GEMM's) when it
+//! is built; each free function binds one for its call (the ABI and architecture checks).
 //!
 //! What lives on the device (expert ids, `row_of`) cannot be checked on the host without a
 //! synchronisation. The kernels bound every index they form from such data by the extent
 //! of the buffer it addresses, skip the offending slot, and set a bit in a
 //! [`DeviceErrors`] word; [`DeviceErrors::take`] (or [`MoeLayer::take_routing_errors`])
 //! turns the bits into [`MoeError::InvalidDeviceRouting`] at the caller's next check. No
-//! device data can make a kernel read or write outside its buffers. The kernels are one fat object per file (SASS for each arch in
-//! `MOEFUSE_CUDA_ARCHS`).
+//! device data can make a kernel read or write outside its buffers. The kernels are one fat
+//! object per file (SASS for each arch in `MOEFUSE_CUDA_ARCHS`).
 //!
 //! ```no_run
 //! use moefuse::{gpu, MoeConfig};
@@ -40,19 +44,22 @@
 //! ```
 
 mod activation;
+mod buffers;
 mod errors;
 mod layer;
 mod permute;
 mod router;
 
 pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
+pub use buffers::PermuteBuffers;
 pub use errors::DeviceErrors;
 pub use layer::{Gradients, MoeLayer, Routing};
-pub use permute::{combine, combine_backward, permute, PermuteBuffers};
+pub use permute::{combine, combine_backward, permute};
 pub use router::{route, route_backward};
 
 use crate::MoeError;
 use cudarc::driver::{CudaStream, DeviceSlice};
+use moefuse_kernels::Kernels;
 
 /// `buffer` holds at least `needed` elements and lives in `stream`'s context.
 pub(crate) fn check_buffer<T>(
@@ -109,15 +116,6 @@ pub(crate) fn elems(what: &'static str, dims: &[usize]) -> Result<usize, MoeErro
         })
 }
 
-/// `value` as the kernels' `int32_t`, or [`MoeError::TooLarge`].
-pub(crate) fn to_i32(what: &'static str, value: usize) -> Result<i32, MoeError> {
-    i32::try_from(value).map_err(|_| MoeError::TooLarge {
-        what,
-        value,
-        max: i32::MAX as usize,
-    })
-}
-
 /// `value <= max`, else [`MoeError::TooLarge`].
 pub(crate) fn check_max(what: &'static str, value: usize, max: usize) -> Result<(), MoeError> {
     if value > max {
@@ -126,25 +124,17 @@ pub(crate) fn check_max(what: &'static str, value: usize, max: usize) -> Result<
     Ok(())
 }
 
-/// The last host-side checks before a launch: the kernel library's ABI, a built arch for
-/// the stream's device, and that device's context made current on this thread.
-pub(crate) fn prepare_device(stream: &CudaStream) -> Result<(), MoeError> {
-    moefuse_kernels::check_abi()?;
-    let ctx = stream.context();
-    let (major, minor) = ctx.compute_capability()?;
-    let arch = match (major, minor) {
-        (9, 0) => "sm90a",
-        (10, 0) => "sm100a",
-        _ => "",
-    };
-    let built = moefuse_kernels::built_archs();
-    if !built.contains(&arch) {
-        return Err(MoeError::ArchNotBuilt {
-            major,
-            minor,
-            built: built.join(","),
-        });
+/// The kernel handle a call launches through: `shared` (the layer's, bound once), else one
+/// bound now to `stream`'s context and kept in `owned` for the call ([`Kernels::new`]
+/// checks the library's ABI and that this build compiled the device's architecture).
+/// Called after a call's own checks, so those errors come first.
+pub(crate) fn kernels_for<'k>(
+    shared: Option<&'k Kernels>,
+    owned: &'k mut Option<Kernels>,
+    stream: &CudaStream,
+) -> Result<&'k Kernels, MoeError> {
+    match shared {
+        Some(kernels) => Ok(kernels),
+        None => Ok(owned.insert(Kernels::new(stream.context())?)),
     }
-    ctx.bind_to_thread()?;
-    Ok(())
 }

@@ -1,44 +1,39 @@
 //! The router on the GPU: [`route`] and [`route_backward`], one warp per token, scores in
 //! fp64 (kernels/moe/router.cu).
 
-use super::{check_buffer, prepare_device};
+use super::{check_buffer, kernels_for};
 use crate::{MoeConfig, MoeError, RouterKind};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
-use moefuse_kernels::{ffi, MoeArgs};
+use moefuse_kernels::{Kernels, RouterBackward, RouterForward, RouterScoring};
 use std::sync::Arc;
 
-/// The ABI's router fields of `config.router`: (kind, n_group, topk_group, renormalize,
-/// routed_scaling_factor). `External` computes no routing.
-fn router_fields(config: &MoeConfig) -> Result<(i32, i32, i32, i32, f32), MoeError> {
+/// The kernels' scoring and renormalisation of `config.router`. `External` computes no
+/// routing.
+fn scoring(config: &MoeConfig) -> Result<(RouterScoring, bool), MoeError> {
     match config.router {
-        RouterKind::SoftmaxTopK { renormalize } => Ok((
-            ffi::MOEFUSE_ROUTER_SOFTMAX_TOPK,
-            0,
-            0,
-            i32::from(renormalize),
-            1.0,
-        )),
+        RouterKind::SoftmaxTopK { renormalize } => Ok((RouterScoring::Softmax, renormalize)),
         RouterKind::SigmoidGrouped {
             n_group,
             topk_group,
             routed_scaling_factor,
             renormalize,
         } => Ok((
-            ffi::MOEFUSE_ROUTER_SIGMOID_GROUPED,
-            n_group as i32, // validate(): n_group <= experts <= 512
-            topk_group as i32,
-            i32::from(renormalize),
-            routed_scaling_factor,
+            RouterScoring::SigmoidGrouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            },
+            renormalize,
         )),
         RouterKind::External => Err(MoeError::ExternalRouter),
     }
 }
 
 /// The checks both directions share: a valid config that routes, a token count in range.
-/// Returns the ABI router fields.
-fn check_config(config: &MoeConfig, tokens: usize) -> Result<(i32, i32, i32, i32, f32), MoeError> {
+/// Returns the kernels' scoring and renormalisation.
+fn check_config(config: &MoeConfig, tokens: usize) -> Result<(RouterScoring, bool), MoeError> {
     config.validate()?;
-    let fields = router_fields(config)?;
+    let fields = scoring(config)?;
     if tokens > 0 {
         config.check_tokens(tokens)?;
     }
@@ -78,7 +73,31 @@ where
     I: DevicePtrMut<i32>,
     W: DevicePtrMut<f32>,
 {
-    let (kind, n_group, topk_group, renormalize, rsf) = check_config(config, tokens)?;
+    route_with(
+        None,
+        config,
+        stream,
+        tokens,
+        logits,
+        bias,
+        topk_ids,
+        topk_weights,
+    )
+}
+
+/// [`route`] through `kernels` (the layer's handle), or a handle bound for the call.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn route_with(
+    kernels: Option<&Kernels>,
+    config: &MoeConfig,
+    stream: &Arc<CudaStream>,
+    tokens: usize,
+    logits: &dyn DevicePtr<f32>,
+    bias: Option<&dyn DevicePtr<f32>>,
+    topk_ids: &mut dyn DevicePtrMut<i32>,
+    topk_weights: &mut dyn DevicePtrMut<f32>,
+) -> Result<(), MoeError> {
+    let (scoring, renormalize) = check_config(config, tokens)?;
     let (e, k) = (config.experts, config.top_k);
     check_buffer("logits [tokens, experts]", logits, tokens * e, stream)?;
     match (config.router, bias) {
@@ -96,36 +115,21 @@ where
     if tokens == 0 {
         return Ok(());
     }
-    prepare_device(stream)?;
-    let (logits_ptr, _logits_sync) = logits.device_ptr(stream);
-    let bias_guard = bias.map(|b| b.device_ptr(stream));
-    let bias_ptr = bias_guard.as_ref().map_or(0, |(p, _)| *p);
-    let (ids_ptr, _ids_sync) = topk_ids.device_ptr_mut(stream);
-    let (weights_ptr, _weights_sync) = topk_weights.device_ptr_mut(stream);
-    let args = ffi::MoefuseRouterArgs {
-        tokens: tokens as i32, // check_tokens: <= 65536
-        experts: e as i32,     // validate: <= 512
-        top_k: k as i32,       // validate: <= 16
-        kind,
-        n_group,
-        topk_group,
-        renormalize,
-        routed_scaling_factor: rsf,
-        logits: logits_ptr as *const f32,
-        bias: bias_ptr as *const f32,
-        topk_ids: ids_ptr as *mut i32,
-        topk_weights: weights_ptr as *mut f32,
-    };
-    // SAFETY: logits hold >= tokens·E f32, bias (if any) >= E, ids and weights >= tokens·k
-    // elements, all on the stream's device (checked above); the device_ptr guards, alive
-    // until the end of this scope, order the buffers on `stream` around the launch; the
-    // stream's context is current (prepare_device). The kernel writes only rows < tokens.
-    unsafe {
-        moefuse_kernels::launch_moe(
-            MoeArgs::RouterForward(&args),
-            stream.cu_stream() as *mut std::ffi::c_void,
-        )?;
-    }
+    let mut owned = None;
+    kernels_for(kernels, &mut owned, stream)?.launch(
+        stream,
+        RouterForward {
+            tokens,
+            experts: e,
+            top_k: k,
+            scoring,
+            renormalize,
+            logits,
+            bias,
+            topk_ids,
+            topk_weights,
+        },
+    )?;
     Ok(())
 }
 
@@ -163,7 +167,31 @@ where
     G: DevicePtr<f32>,
     D: DevicePtrMut<f32>,
 {
-    let (kind, _, _, renormalize, rsf) = check_config(config, tokens)?;
+    route_backward_with(
+        None,
+        config,
+        stream,
+        tokens,
+        logits,
+        topk_ids,
+        d_topk_weights,
+        d_logits,
+    )
+}
+
+/// [`route_backward`] through `kernels` (the layer's handle), or a handle bound for the call.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn route_backward_with(
+    kernels: Option<&Kernels>,
+    config: &MoeConfig,
+    stream: &Arc<CudaStream>,
+    tokens: usize,
+    logits: &dyn DevicePtr<f32>,
+    topk_ids: &dyn DevicePtr<i32>,
+    d_topk_weights: &dyn DevicePtr<f32>,
+    d_logits: &mut dyn DevicePtrMut<f32>,
+) -> Result<(), MoeError> {
+    let (scoring, renormalize) = check_config(config, tokens)?;
     let (e, k) = (config.experts, config.top_k);
     check_buffer("logits [tokens, experts]", logits, tokens * e, stream)?;
     check_buffer("topk_ids [tokens, top_k]", topk_ids, tokens * k, stream)?;
@@ -177,33 +205,21 @@ where
     if tokens == 0 {
         return Ok(());
     }
-    prepare_device(stream)?;
-    let (logits_ptr, _logits_sync) = logits.device_ptr(stream);
-    let (ids_ptr, _ids_sync) = topk_ids.device_ptr(stream);
-    let (dw_ptr, _dw_sync) = d_topk_weights.device_ptr(stream);
-    let (dl_ptr, _dl_sync) = d_logits.device_ptr_mut(stream);
-    let args = ffi::MoefuseRouterBwdArgs {
-        tokens: tokens as i32,
-        experts: e as i32,
-        top_k: k as i32,
-        kind,
-        renormalize,
-        routed_scaling_factor: rsf,
-        logits: logits_ptr as *const f32,
-        topk_ids: ids_ptr as *const i32,
-        d_topk_weights: dw_ptr as *const f32,
-        d_logits: dl_ptr as *mut f32,
-    };
-    // SAFETY: logits and d_logits hold >= tokens·E f32, ids and d_weights >= tokens·k
-    // elements on the stream's device (checked above); the kernel skips ids outside 0..E,
-    // so their values cannot lead it outside d_logits' rows; the guards order the buffers on
-    // `stream` until the end of this scope; the context is current (prepare_device).
-    unsafe {
-        moefuse_kernels::launch_moe(
-            MoeArgs::RouterBackward(&args),
-            stream.cu_stream() as *mut std::ffi::c_void,
-        )?;
-    }
+    let mut owned = None;
+    kernels_for(kernels, &mut owned, stream)?.launch(
+        stream,
+        RouterBackward {
+            tokens,
+            experts: e,
+            top_k: k,
+            scoring,
+            renormalize,
+            logits,
+            topk_ids,
+            d_topk_weights,
+            d_logits,
+        },
+    )?;
     Ok(())
 }
 
@@ -212,12 +228,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn router_fields_follow_the_kind() {
+    fn scoring_follows_the_kind() {
         let cfg = MoeConfig::new(64, 64, 16, 4);
-        assert_eq!(
-            router_fields(&cfg).unwrap(),
-            (ffi::MOEFUSE_ROUTER_SOFTMAX_TOPK, 0, 0, 1, 1.0)
-        );
+        assert_eq!(scoring(&cfg).unwrap(), (RouterScoring::Softmax, true));
         let cfg = cfg.with_router(RouterKind::SigmoidGrouped {
             n_group: 4,
             topk_group: 2,
@@ -225,11 +238,18 @@ mod tests {
             renormalize: false,
         });
         assert_eq!(
-            router_fields(&cfg).unwrap(),
-            (ffi::MOEFUSE_ROUTER_SIGMOID_GROUPED, 4, 2, 0, 2.5)
+            scoring(&cfg).unwrap(),
+            (
+                RouterScoring::SigmoidGrouped {
+                    n_group: 4,
+                    topk_group: 2,
+                    routed_scaling_factor: 2.5
+                },
+                false
+            )
         );
         let ext = cfg.with_router(RouterKind::External);
-        assert_eq!(router_fields(&ext), Err(MoeError::ExternalRouter));
+        assert_eq!(scoring(&ext), Err(MoeError::ExternalRouter));
     }
 
     #[test]
