@@ -26,7 +26,7 @@ import torch
 
 
 class Moefuse:
-    """moefuse's grouped GEMM through benches/capi (pass 0 fwd, 1 dgrad, 2 wgrad)."""
+    """moefuse's grouped GEMM through crates/bench-capi (pass 0 fwd, 1 dgrad, 2 wgrad)."""
 
     PASS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
 

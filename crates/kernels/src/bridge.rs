@@ -1,4 +1,4 @@
-//! The raw half of the Python benchmark bridge (feature `c-bridge`, for `benches/capi`):
+//! The raw half of the Python benchmark bridge (feature `c-bridge`, for `crates/bench-capi`):
 //! the C entry points that take device addresses from a foreign framework, so that the
 //! bridge crate itself holds no `unsafe`.
 //!

@@ -24,7 +24,9 @@
 //! assert!(bytes >= 0);
 //! ```
 
-// NOTES: `deny`, not `forbid`: rustc counts `#[no_mangle]` as unsafe code (a symbol can
+// NOTES: this crate is an FFI layer (a C ABI exported to ctypes), so it lives beside the
+// other FFI layers in crates/, not in benches/, whose programs forbid unsafe code.
+// `deny`, not `forbid`: rustc counts `#[no_mangle]` as unsafe code (a symbol can
 // override another library's), and the plan entry needs it; it is the crate's one
 // exception, on a function of integers only. Everything that touches a raw pointer lives in
 // `moefuse_kernels::bridge`.
