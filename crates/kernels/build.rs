@@ -1,18 +1,21 @@
-//! Compiles `kernels/` for the SM targets in `MOEFUSE_CUDA_ARCHS` (default `90a,100a`;
-//! `none` builds no kernels) with the same library and cache as `cargo xtask
-//! build-kernels`, archives them, links them with the static CUDA runtime, and writes
-//! `registry.rs`: the launchers of the compiled variants. No GPU probing, no network.
-
-#[path = "src/variant_table.rs"]
-#[allow(dead_code, missing_docs)]
-mod variant_table;
+//! Compiles `cuda/` (which travels inside this crate) for the targets the environment
+//! chooses (`MOEFUSE_CUDA_ARCHS`, else `CUDA_COMPUTE_CAP`, else `90a,100a`; `none` and
+//! `DOCS_RS` build no kernels) and the kernel families the cargo features ask for (`gemm`:
+//! the GEMM variants, `moe`: the MoE layer's kernels), with the same library and cache as
+//! `cargo xtask build-kernels`. It archives them, links them with the static CUDA runtime,
+//! and writes `registry.rs`, the launchers of the compiled variants. No GPU probing, no
+//! network; it writes only into `OUT_DIR` and the kernel cache.
+//!
+//! Links metadata for dependents' build scripts: `DEP_MOEFUSE_KERNELS_INCLUDE` (the C ABI
+//! headers) and `DEP_MOEFUSE_KERNELS_CUDA` (the kernel tree).
 
 use moefuse_kernel_build::{
-    archive, compile_all, default_jobs, parse_archs, units, Cache, Toolchain,
+    archive, archs_from_env, compile_all, default_jobs, units_for, write_unit_log, Cache,
+    KernelFamilies, Toolchain, ARCH_ENV,
 };
+use moefuse_spec::{VariantSpec, VARIANTS};
 use std::path::{Path, PathBuf};
 use std::{env, fmt::Write as _, fs};
-use variant_table::VARIANTS;
 
 fn main() {
     if let Err(msg) = run() {
@@ -28,23 +31,32 @@ fn run() -> Result<(), String> {
         .join("cuda")
         .canonicalize()
         .map_err(|e| format!("cuda/: {e}"))?;
-    println!("cargo:rerun-if-changed=src/variant_table.rs");
-    moefuse_kernel_build::cargo_rerun_if_changed(
-        &kernels,
-        &[
-            "MOEFUSE_CUDA_ARCHS",
-            "MOEFUSE_KERNEL_CACHE",
-            "MOEFUSE_ALLOW_SPILLS",
-            "MOEFUSE_JOBS",
-        ],
-    )
-    .map_err(|e| e.to_string())?;
+    let mut vars = vec![
+        "MOEFUSE_KERNEL_CACHE",
+        "MOEFUSE_ALLOW_SPILLS",
+        "MOEFUSE_JOBS",
+    ];
+    vars.extend(ARCH_ENV);
+    moefuse_kernel_build::cargo_rerun_if_changed(&kernels, &vars).map_err(|e| e.to_string())?;
+    println!(
+        "cargo::metadata=include={}",
+        kernels.join("include").display()
+    );
+    println!("cargo::metadata=cuda={}", kernels.display());
 
-    let archs_env = env::var("MOEFUSE_CUDA_ARCHS").unwrap_or_else(|_| "90a,100a".into());
-    let archs = parse_archs(&archs_env).map_err(|e| e.to_string())?;
-    let built: Vec<_> = VARIANTS
+    let families = KernelFamilies {
+        gemm: env::var_os("CARGO_FEATURE_GEMM").is_some(),
+        moe: env::var_os("CARGO_FEATURE_MOE").is_some(),
+    };
+    let selection = archs_from_env().map_err(|e| e.to_string())?;
+    let archs = if families.any() {
+        selection.archs.clone()
+    } else {
+        Vec::new()
+    };
+    let built: Vec<&VariantSpec> = VARIANTS
         .iter()
-        .filter(|v| archs.iter().any(|a| a.name() == v.arch.name()))
+        .filter(|v| families.gemm && archs.contains(&v.arch))
         .collect();
     for v in &built {
         check_instance(&kernels, v)?;
@@ -53,26 +65,39 @@ fn run() -> Result<(), String> {
     println!("cargo:rustc-env=MOEFUSE_BUILT_ARCHS={}", names.join(","));
     fs::write(out.join("registry.rs"), registry(&built)).map_err(|e| e.to_string())?;
     println!("cargo:rustc-check-cfg=cfg(moefuse_kernels_linked)");
+    println!("cargo:rustc-check-cfg=cfg(moefuse_moe_linked)");
+    let log = out.join("kernel-units.txt");
     if archs.is_empty() {
+        // Nothing compiled: an empty record, so a check never reads a stale one.
+        fs::write(&log, "").map_err(|e| format!("{}: {e}", log.display()))?;
         return Ok(());
     }
     println!("cargo:rustc-cfg=moefuse_kernels_linked");
+    if families.moe {
+        println!("cargo:rustc-cfg=moefuse_moe_linked");
+    }
 
     let tc = Toolchain::discover().map_err(|e| e.to_string())?;
+    tc.check_archs(&archs).map_err(|e| e.to_string())?;
     let jobs = env::var("MOEFUSE_JOBS")
         .ok()
         .and_then(|j| j.parse().ok())
         .unwrap_or_else(default_jobs);
     let cache = Cache::default_dir().map_err(|e| e.to_string())?;
-    let objects = compile_all(
-        &tc,
-        &kernels,
-        &units(&kernels, &archs).map_err(|e| e.to_string())?,
-        jobs,
-        &cache,
-        |_| {},
-    )
-    .map_err(|e| e.to_string())?;
+    let units = units_for(&kernels, &archs, families).map_err(|e| e.to_string())?;
+    let objects =
+        compile_all(&tc, &kernels, &units, jobs, &cache, |_| {}).map_err(|e| e.to_string())?;
+    let (compiled, cached) = write_unit_log(&objects, &log).map_err(|e| e.to_string())?;
+    if compiled > 0 {
+        // Shown for path dependencies (cargo hides registry crates' warnings): says why the
+        // build took minutes, and that the next one will not.
+        println!(
+            "cargo:warning=moefuse-kernels: compiled {compiled} CUDA units for {} ({}; {cached} \
+             more from the kernel cache); later builds reuse them",
+            names.join(","),
+            selection.reason,
+        );
+    }
     archive(&objects, &out.join("libmoefuse_kernels.a")).map_err(|e| e.to_string())?;
 
     println!("cargo:rustc-link-search=native={}", out.display());
@@ -89,7 +114,7 @@ fn run() -> Result<(), String> {
 }
 
 /// The committed instance file must be exactly what the table generates.
-fn check_instance(kernels: &Path, v: &variant_table::VariantSpec) -> Result<(), String> {
+fn check_instance(kernels: &Path, v: &VariantSpec) -> Result<(), String> {
     let path = kernels
         .join("instances")
         .join(v.arch.name())
@@ -97,13 +122,13 @@ fn check_instance(kernels: &Path, v: &variant_table::VariantSpec) -> Result<(), 
     match fs::read_to_string(&path) {
         Ok(text) if text == v.instance_source() => Ok(()),
         _ => Err(format!(
-            "{} is missing or differs from crates/kernels/src/variant_table.rs: run `cargo xtask gen-variants`",
+            "{} is missing or differs from moefuse-spec's variant table (crates/spec/src/variants.rs): run `cargo xtask gen-variants`",
             path.display()
         )),
     }
 }
 
-fn registry(built: &[&variant_table::VariantSpec]) -> String {
+fn registry(built: &[&VariantSpec]) -> String {
     let mut s = String::from("// generated by crates/kernels/build.rs\n");
     if !built.is_empty() {
         s.push_str("extern \"C\" {\n");

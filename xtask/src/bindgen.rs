@@ -4,7 +4,7 @@
 //! `--check` prints SKIPPED and succeeds, so CI machines without libclang pass.
 
 use crate::{root, run_cmd, setup, Result};
-use moefuse_kernel_build::{toolchain_dir, PINS};
+use moefuse_kernel_build::{site_dir, PINS};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -103,9 +103,9 @@ pub fn run(check: bool, install: bool) -> Result<()> {
         return Err("no bindgen CLI: run `cargo xtask bindgen --install`".into());
     };
     setup::run(false)?;
-    let tc = toolchain_dir();
-    let nvshmem = tc.join("ext/nvidia/nvshmem/include");
-    let cuda = tc.join("cuda/nvidia/cu13/include");
+    let site = site_dir();
+    let nvshmem = site.join("nvidia/nvshmem/include");
+    let cuda = site.join("nvidia/cu13/include");
     let version = Command::new(&bindgen)
         .arg("--version")
         .output()

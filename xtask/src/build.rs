@@ -3,43 +3,78 @@
 use crate::{root, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use moefuse_kernel_build::{
-    compile_all, default_jobs, nvshmem_modules, parse_archs, units, Arch, Cache, Event, Object,
-    Toolchain, UnitKind,
+    compile_all, default_jobs, nvshmem_modules, parse_archs, units_for, Arch, Cache, Event,
+    KernelFamilies, Object, Toolchain, UnitKind,
 };
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// Compiles the kernels for `sm` with a progress bar; unchanged units come from the cache.
+/// Compiles every kernel (GEMM, MoE, NVSHMEM modules) for `sm` with a progress bar;
+/// unchanged units come from the cache.
 pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
     let archs = parse_archs(sm).map_err(|e| e.to_string())?;
+    build(&archs, KernelFamilies::ALL, true, jobs)
+}
+
+/// Compiles `families` (and the NVSHMEM modules when `comm`) for `archs`: a bar with units
+/// done/total, the units nvcc is on, and an estimate of the time left from the units
+/// compiled so far.
+pub fn build(
+    archs: &[Arch],
+    families: KernelFamilies,
+    comm: bool,
+    jobs: Option<usize>,
+) -> Result<Vec<Object>> {
     let tc = Toolchain::discover().map_err(|e| e.to_string())?;
+    tc.check_archs(archs).map_err(|e| e.to_string())?;
     let kernels = root().join("crates/kernels/cuda");
-    let mut units = units(&kernels, &archs).map_err(|e| e.to_string())?;
-    units.extend(nvshmem_modules(&root().join("crates/comm/cuda"), &archs).map_err(|e| e.to_string())?);
+    let mut units = units_for(&kernels, archs, families).map_err(|e| e.to_string())?;
+    if comm {
+        units.extend(
+            nvshmem_modules(&root().join("crates/comm/cuda"), archs).map_err(|e| e.to_string())?,
+        );
+    }
     let jobs = jobs.unwrap_or_else(default_jobs);
     let cache = Cache::default_dir().map_err(|e| e.to_string())?;
+    let names: Vec<&str> = archs.iter().map(|a| a.name()).collect();
     println!(
-        "build-kernels: {} units for {sm} with {jobs} jobs ({})",
+        "build-kernels: {} units for {} with {jobs} jobs ({}; {})",
         units.len(),
-        tc.nvcc_version
+        names.join(","),
+        tc.nvcc_version,
+        tc.found.join(", ")
     );
     let bar = ProgressBar::new(units.len() as u64);
     bar.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] kernel {pos}/{len} {wide_msg}")
-            .expect("static template"),
+        ProgressStyle::with_template(
+            "{spinner} kernels [{elapsed_precise}] {bar:30} {pos}/{len} units {wide_msg}",
+        )
+        .expect("static template"),
     );
     bar.enable_steady_tick(Duration::from_millis(200));
-    let running = Mutex::new(Vec::<String>::new());
+    struct State {
+        running: Vec<String>,
+        compiled_secs: Vec<f64>,
+        finished: usize,
+    }
+    let state = Mutex::new(State {
+        running: Vec::new(),
+        compiled_secs: Vec::new(),
+        finished: 0,
+    });
+    let total = units.len();
     let objects = compile_all(&tc, &kernels, &units, jobs, &cache, |event| {
-        let mut running = running.lock().expect("progress lock");
+        let mut st = state.lock().expect("progress lock");
         match event {
-            Event::Started(unit) => running.push(unit.label()),
+            Event::Started(unit) => st.running.push(unit.label()),
             Event::Finished(obj) => {
-                running.retain(|l| *l != obj.unit.label());
+                st.running.retain(|l| *l != obj.unit.label());
+                st.finished += 1;
                 let how = if obj.cached {
                     "cached".to_string()
                 } else {
+                    st.compiled_secs.push(obj.seconds);
                     format!("{:.1} s", obj.seconds)
                 };
                 let line = format!("  {:<70} {how}", obj.unit.label());
@@ -51,7 +86,8 @@ pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
                 bar.inc(1);
             }
         }
-        bar.set_message(running.join(", "));
+        let eta = eta(&st.compiled_secs, total - st.finished, jobs);
+        bar.set_message(format!("{eta} {}", st.running.join(", ")));
     })
     .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
@@ -61,6 +97,17 @@ pub fn build_kernels(sm: &str, jobs: Option<usize>) -> Result<Vec<Object>> {
         objects.len() - compiled
     );
     Ok(objects)
+}
+
+/// `ETA ~3m10s` from the mean nvcc time of the units compiled so far, for the units left
+/// (some of which may still come from the cache: an upper estimate), `jobs` at a time.
+fn eta(compiled_secs: &[f64], left: usize, jobs: usize) -> String {
+    if compiled_secs.is_empty() || left == 0 {
+        return String::new();
+    }
+    let mean = compiled_secs.iter().sum::<f64>() / compiled_secs.len() as f64;
+    let secs = (mean * left as f64 / jobs.max(1) as f64).round() as u64;
+    format!("ETA ≤{}m{:02}s", secs / 60, secs % 60)
 }
 
 /// Checks every kernel object: it carries an ELF for its arch, and its SASS has the

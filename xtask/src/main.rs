@@ -6,8 +6,9 @@
 //! | `gen-variants [--check]` | writes `kernels/instances/*/*.cu` from the variant table |
 //! | `build-kernels --sm 90a,100a` | compiles the kernels (parallel, cached, progress bars) |
 //! | `inspect` | checks the built objects hold sm_90a/sm_100a SASS with HGMMA/UTCHMMA |
-//! | `test` | setup, gen-variants --check, bindgen --check, build-kernels, inspect, `cargo test --workspace` |
-//! | `demo` | setup, build, run the GEMM demo (GPU if present, CPU reference otherwise) |
+//! | `test` | setup, gen-variants --check, bindgen --check, build-kernels, inspect, `cargo test --workspace`, check-consumer |
+//! | `check-consumer` | `cargo package --list`, `DOCS_RS` docs without a toolchain, an outside crate on a second checkout |
+//! | `demo` | the MoE-layer example: this GPU's arch only, or (no GPU) the CPU reference without kernels |
 //! | `device-pack` | builds GPU test and bench binaries into `.device-pack/` for the H200 |
 //! | `bench-report` | renders `docs/benchmarks.md` tables from `benches/results/*.jsonl` |
 //! | `bindgen [--check] [--install]` | regenerates the NVSHMEM host bindings of `nvshmem-sys` |
@@ -15,12 +16,14 @@
 mod bench_report;
 mod bindgen;
 mod build;
+mod consumer;
 mod device_pack;
 mod launch;
 mod setup;
 mod variants;
 
 use clap::{Parser, Subcommand};
+use moefuse_kernel_build::{parse_archs, Arch, KernelFamilies};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 
@@ -39,7 +42,7 @@ enum Task {
         #[arg(long)]
         force: bool,
     },
-    /// Write the kernel instance files from crates/kernels/src/variant_table.rs.
+    /// Write the kernel instance files from the variant table (crates/spec/src/variants.rs).
     GenVariants {
         /// Fail if a file would change instead of writing it.
         #[arg(long)]
@@ -66,8 +69,19 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
-    /// Run the MoE-layer example (Qwen3-30B-A3B-sized, on the GPU when present, else the
-    /// CPU reference of a small layer).
+    /// Check moefuse as an ordinary dependency: packages carry their CUDA sources, docs
+    /// build with DOCS_RS and no toolchain, and a crate outside the workspace on a second
+    /// checkout builds with plain `cargo build`, compiling no kernel and no MoE unit.
+    CheckConsumer {
+        /// The one target the outside crate builds (its GEMM units must be in the cache).
+        #[arg(long, default_value = "90a")]
+        sm: String,
+        /// Only these checks (comma list of `package`, `docs-rs`, `consumer`).
+        #[arg(long, default_value = "package,docs-rs,consumer")]
+        only: String,
+    },
+    /// Run the MoE-layer example (Qwen3-30B-A3B-sized) on this machine's GPU, building only
+    /// its arch; without a GPU, the CPU reference of a small layer, compiling no kernel.
     Demo {
         /// Arguments for the demo binary.
         #[arg(trailing_var_arg = true)]
@@ -108,6 +122,10 @@ fn main() -> ExitCode {
         Task::BuildKernels { sm, jobs } => build::build_kernels(&sm, jobs).map(|_| ()),
         Task::Inspect { sm } => build::inspect(&sm),
         Task::Test { args } => test(&args),
+        Task::CheckConsumer { sm, only } => one_arch(&sm).and_then(|arch| {
+            let only: Vec<&str> = only.split(',').map(str::trim).collect();
+            consumer::run_only(arch, &only)
+        }),
         Task::Demo { args } => demo(&args),
         Task::DevicePack { sm, only } => device_pack::run(&sm, &only),
         Task::BenchReport => bench_report::run(),
@@ -163,25 +181,110 @@ fn test(args: &[String]) -> Result<()> {
             .args(["test", "--workspace"])
             .args(args)
             .env("MOEFUSE_CUDA_ARCHS", "90a,100a"),
-    )
+    )?;
+    // sm_90a only: its units are in the cache from build-kernels above, so the outside
+    // crate compiles none (CI has 2 cores; a second full build would not fit).
+    consumer::run(Arch::Sm90a)
+}
+
+fn one_arch(sm: &str) -> Result<Arch> {
+    match parse_archs(sm).map_err(|e| e.to_string())?.as_slice() {
+        [arch] => Ok(*arch),
+        _ => Err(format!("--sm takes one target (90a or 100a), not `{sm}`")),
+    }
+}
+
+/// What `nvidia-smi` says about GPU 0: its name and compute capability.
+fn probe_gpu() -> std::result::Result<(String, u32, u32), String> {
+    let has_device = std::fs::read_dir("/dev")
+        .map(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("nvidia"))
+        })
+        .unwrap_or(false);
+    if !has_device {
+        return Err("no /dev/nvidia* device".into());
+    }
+    let out = Command::new("nvidia-smi")
+        .args(["--query-gpu=name,compute_cap", "--format=csv,noheader"])
+        .output()
+        .map_err(|e| format!("nvidia-smi could not run ({e})"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().next().unwrap_or("").trim();
+    if !out.status.success() || line.is_empty() {
+        return Err(format!(
+            "nvidia-smi found no GPU ({})",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let (name, cap) = line
+        .rsplit_once(',')
+        .ok_or_else(|| format!("unexpected nvidia-smi output `{line}`"))?;
+    let (major, minor) = cap
+        .trim()
+        .split_once('.')
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .ok_or_else(|| format!("unexpected compute capability `{cap}`"))?;
+    Ok((name.trim().to_string(), major, minor))
 }
 
 fn demo(args: &[String]) -> Result<()> {
+    let example = ["-p", "moefuse", "--example", "qwen3_moe", "--"];
+    let supported = |(name, major, minor): (String, u32, u32)| {
+        Arch::from_capability(major, minor)
+            .map(|arch| (name.clone(), arch))
+            .ok_or_else(|| {
+                format!(
+                    "{name} has compute capability {major}.{minor}; moefuse's kernels need 9.0 \
+                     (Hopper) or 10.0 (Blackwell)"
+                )
+            })
+    };
+    let gpu = probe_gpu().and_then(supported);
+    let (name, arch) = match gpu {
+        Ok(found) => found,
+        Err(why) => {
+            println!(
+                "demo: no GPU to run on here ({why}): running the CPU reference of a small MoE \
+                 layer instead, without compiling any CUDA kernel"
+            );
+            // The dev profile: the small CPU layer runs in a blink, and a debug build of the
+            // dependencies is much quicker than a release one.
+            run_cmd(
+                cargo()
+                    .arg("run")
+                    .args(example)
+                    .args(args)
+                    .env("MOEFUSE_CUDA_ARCHS", "none"),
+            )?;
+            println!(
+                "\nnext: on a machine with an H100/H200 or a B200, `cargo xtask demo` builds that \
+                 GPU's kernels and runs this layer there; `cargo xtask test` runs the tests here \
+                 (GPU tests report SKIPPED); to call moefuse from your crate, see README.md, \
+                 \"Using the MoE layer from Rust\"."
+            );
+            return Ok(());
+        }
+    };
+    println!(
+        "demo: {name} ({}): building the {} kernels the demo runs, nothing else",
+        arch.info().family,
+        arch.name()
+    );
     setup::run(false)?;
-    build::build_kernels("90a,100a", None)?;
+    build::build(&[arch], KernelFamilies::ALL, false, None)?;
     run_cmd(
         cargo()
-            .args([
-                "run",
-                "--release",
-                "--quiet",
-                "-p",
-                "moefuse",
-                "--example",
-                "qwen3_moe",
-                "--",
-            ])
+            .args(["run", "--release"])
+            .args(example)
             .args(args)
-            .env("MOEFUSE_CUDA_ARCHS", "90a,100a"),
-    )
+            .env("MOEFUSE_CUDA_ARCHS", arch.info().short),
+    )?;
+    println!(
+        "\nnext: `cargo xtask test` runs every test on this GPU; to call moefuse from your crate \
+         (depend on `moefuse`, build with MOEFUSE_CUDA_ARCHS={}), see README.md, \"Using the MoE \
+         layer from Rust\"; the example's source is crates/moe/examples/qwen3_moe.rs.",
+        arch.info().short
+    );
+    Ok(())
 }

@@ -1,19 +1,17 @@
 //! `cargo xtask gen-variants`: one instance file per row of the variant table.
 
-#[path = "../../crates/kernels/src/variant_table.rs"]
-#[allow(dead_code, missing_docs)]
-mod variant_table;
-
 use crate::{root, Result};
+use moefuse_spec::{Arch, VARIANTS};
 use std::fs;
-use variant_table::{VariantArch, VARIANTS};
 
 /// Writes (or with `check`, compares) `kernels/instances/<arch>/<name>.cu` for every
 /// variant, and removes (or reports) instance files no variant claims.
 pub fn run(check: bool) -> Result<()> {
     let mut problems = Vec::new();
-    for arch in [VariantArch::Sm90a, VariantArch::Sm100a] {
-        let dir = root().join("crates/kernels/cuda/instances").join(arch.name());
+    for arch in Arch::ALL {
+        let dir = root()
+            .join("crates/kernels/cuda/instances")
+            .join(arch.name());
         fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let wanted: Vec<_> = VARIANTS.iter().filter(|v| v.arch == arch).collect();
         for v in &wanted {

@@ -82,7 +82,11 @@ impl Cache {
     /// # Ok::<(), moefuse_kernel_build::BuildError>(())
     /// ```
     pub fn default_dir() -> Result<Self, BuildError> {
-        let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+        let var = |k: &str| {
+            std::env::var_os(k)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
         let dir = var("MOEFUSE_KERNEL_CACHE")
             .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("moefuse/kernels")))
             .or_else(|| var("HOME").map(|d| d.join(".cache/moefuse/kernels")))
@@ -378,9 +382,15 @@ mod tests {
             kernels: &kernels,
             source_dir: &src,
         };
-        assert!(cache.lookup("k", "object.o", &roots).is_some(), "unchanged header must hit");
+        assert!(
+            cache.lookup("k", "object.o", &roots).is_some(),
+            "unchanged header must hit"
+        );
         fs::write(kernels.join("include/h.cuh"), "two").unwrap();
-        assert!(cache.lookup("k", "object.o", &roots).is_none(), "changed header must miss");
+        assert!(
+            cache.lookup("k", "object.o", &roots).is_none(),
+            "changed header must miss"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -450,7 +460,11 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().file_name())
             .collect();
-        assert_eq!(left, vec![std::ffi::OsString::from("k")], "no staging left behind");
+        assert_eq!(
+            left,
+            vec![std::ffi::OsString::from("k")],
+            "no staging left behind"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1,7 +1,7 @@
 //! Translation units, parallel nvcc with the cache, and the static archive.
 
 use crate::cache::{hash_bytes, parse_depfile, Cache, DepRoots, CACHE_FORMAT};
-use crate::{io_err, Arch, BuildError, Toolchain, PINS};
+use crate::{io_err, Arch, BuildError, Toolchain};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -85,11 +85,63 @@ pub enum Event {
     Finished(Object),
 }
 
-/// The units of `kernels_dir` for `archs`: `abi/*.cpp` (host-only),
-/// `instances/<arch>/*.cu`, and `moe/*.cu` as fat objects for all of `archs`, sorted. With
-/// no archs, no units (a build without kernels).
+/// Which kernel families a build compiles (moefuse-kernels' cargo features `gemm`, `moe`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelFamilies {
+    /// Dense and grouped GEMM variants: `instances/<arch>/*.cu`.
+    pub gemm: bool,
+    /// The MoE layer's own kernels: `moe/*.cu` (router, permutation, activation, combine).
+    pub moe: bool,
+}
+
+impl KernelFamilies {
+    /// Every family.
+    pub const ALL: KernelFamilies = KernelFamilies {
+        gemm: true,
+        moe: true,
+    };
+
+    /// True when at least one family is on (then the host-only ABI file is built too).
+    ///
+    /// ```
+    /// use moefuse_kernel_build::KernelFamilies;
+    /// assert!(KernelFamilies::ALL.any());
+    /// assert!(!KernelFamilies { gemm: false, moe: false }.any());
+    /// ```
+    pub fn any(self) -> bool {
+        self.gemm || self.moe
+    }
+}
+
+/// Every unit of `kernels_dir` for `archs`: [`units_for`] with [`KernelFamilies::ALL`].
+///
+/// ```no_run
+/// use moefuse_kernel_build::{units, Arch};
+/// let all = units(std::path::Path::new("crates/kernels/cuda"), &[Arch::Sm90a])?;
+/// # Ok::<(), moefuse_kernel_build::BuildError>(())
+/// ```
 pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError> {
-    if archs.is_empty() {
+    units_for(kernels_dir, archs, KernelFamilies::ALL)
+}
+
+/// The units of `kernels_dir` for `archs` and `families`: `abi/*.cpp` (host-only, when any
+/// family is on), `instances/<arch>/*.cu` (`gemm`), and `moe/*.cu` as fat objects for all
+/// of `archs` (`moe`), sorted. With no archs or no family, no units (a build without
+/// kernels).
+///
+/// ```no_run
+/// use moefuse_kernel_build::{units_for, Arch, KernelFamilies};
+/// let gemm_only = KernelFamilies { gemm: true, moe: false };
+/// let units = units_for(std::path::Path::new("crates/kernels/cuda"), &[Arch::Sm90a], gemm_only)?;
+/// assert!(units.iter().all(|u| !u.label().starts_with("fat/")));
+/// # Ok::<(), moefuse_kernel_build::BuildError>(())
+/// ```
+pub fn units_for(
+    kernels_dir: &Path,
+    archs: &[Arch],
+    families: KernelFamilies,
+) -> Result<Vec<Unit>, BuildError> {
+    if archs.is_empty() || !families.any() {
         return Ok(Vec::new());
     }
     let mut out = list(&kernels_dir.join("abi"), "cpp")?
@@ -101,25 +153,58 @@ pub fn units(kernels_dir: &Path, archs: &[Arch]) -> Result<Vec<Unit>, BuildError
             fat_archs: Vec::new(),
         })
         .collect::<Vec<_>>();
-    for &arch in archs {
-        for source in list(&kernels_dir.join("instances").join(arch.name()), "cu")? {
+    if families.gemm {
+        for &arch in archs {
+            for source in list(&kernels_dir.join("instances").join(arch.name()), "cu")? {
+                out.push(Unit {
+                    source,
+                    arch: Some(arch),
+                    kind: UnitKind::Object,
+                    fat_archs: Vec::new(),
+                });
+            }
+        }
+    }
+    if families.moe {
+        for source in list(&kernels_dir.join("moe"), "cu")? {
             out.push(Unit {
                 source,
-                arch: Some(arch),
-                kind: UnitKind::Object,
-                fat_archs: Vec::new(),
+                arch: None,
+                kind: UnitKind::FatObject,
+                fat_archs: archs.to_vec(),
             });
         }
     }
-    for source in list(&kernels_dir.join("moe"), "cu")? {
-        out.push(Unit {
-            source,
-            arch: None,
-            kind: UnitKind::FatObject,
-            fat_archs: archs.to_vec(),
-        });
-    }
     Ok(out)
+}
+
+/// Writes one line per object to `path` (`compiled <label> <seconds>` or `cached <label>`)
+/// and returns (compiled, cached): the record build scripts leave in `OUT_DIR`, which CI
+/// reads to check what a build compiled.
+///
+/// ```no_run
+/// # let objects: Vec<moefuse_kernel_build::Object> = Vec::new();
+/// let out = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
+/// let (compiled, cached) = moefuse_kernel_build::write_unit_log(&objects, &out.join("kernel-units.txt"))?;
+/// # Ok::<(), moefuse_kernel_build::BuildError>(())
+/// ```
+pub fn write_unit_log(objects: &[Object], path: &Path) -> Result<(usize, usize), BuildError> {
+    let mut text = String::new();
+    let mut compiled = 0;
+    for obj in objects {
+        if obj.cached {
+            text.push_str(&format!("cached {}\n", obj.unit.label()));
+        } else {
+            compiled += 1;
+            text.push_str(&format!(
+                "compiled {} {:.1}\n",
+                obj.unit.label(),
+                obj.seconds
+            ));
+        }
+    }
+    fs::write(path, text).map_err(io_err(path))?;
+    Ok((compiled, objects.len() - compiled))
 }
 
 /// The NVSHMEM device modules in `sources_dir` (`*.cu`, moefuse-comm's `cuda/`), one unit
@@ -209,9 +294,13 @@ pub fn compile_all(
 /// key does not depend on where the checkout or the toolchain lives.
 fn unit_flags(tc: &Toolchain, kernels_dir: &Path, unit: &Unit) -> Vec<(String, String)> {
     let plain = |f: &str| (f.to_string(), f.to_string());
-    let include = |name: String, path: &Path| (format!("-I{name}"), format!("-I{}", path.display()));
+    let include =
+        |name: String, path: &Path| (format!("-I{name}"), format!("-I{}", path.display()));
     let mut flags: Vec<(String, String)> = NVCC_FLAGS.iter().map(|f| plain(f)).collect();
-    flags.push(include("<kernels>/include".into(), &kernels_dir.join("include")));
+    flags.push(include(
+        "<kernels>/include".into(),
+        &kernels_dir.join("include"),
+    ));
     for (i, inc) in tc.cutlass_include.iter().enumerate() {
         flags.push(include(format!("<cutlass:{i}>"), inc));
     }
@@ -230,24 +319,21 @@ fn unit_flags(tc: &Toolchain, kernels_dir: &Path, unit: &Unit) -> Vec<(String, S
     flags
 }
 
-/// What identifies the toolchain's content wherever it is installed: the pins, nvcc's
-/// version line, and the CUTLASS and NVSHMEM version headers (which differ between
-/// releases even when a user points `CUTLASS_DIR` or `NVSHMEM_HOME` elsewhere).
+/// What identifies the toolchain's content wherever it is installed and however it was
+/// installed (pinned wheels, `CUDA_HOME`, `CUTLASS_DIR`, `NVSHMEM_HOME`): nvcc's version
+/// line and the CUTLASS and NVSHMEM version headers. The pin list itself is not part of it,
+/// so a change in how the pins are written (hashes, extra tools) rebuilds nothing.
 fn toolchain_identity(tc: &Toolchain) -> String {
     let header = |p: PathBuf| crate::cache::hash_file(&p).unwrap_or_else(|_| "absent".into());
-    let cutlass = tc
-        .cutlass_include
-        .first()
-        .map_or_else(|| "absent".into(), |inc| header(inc.join("cutlass/version.h")));
+    let cutlass = tc.cutlass_include.first().map_or_else(
+        || "absent".into(),
+        |inc| header(inc.join("cutlass/version.h")),
+    );
     let nvshmem = tc.nvshmem_root.as_ref().map_or_else(
         || "absent".into(),
         |root| header(root.join("include/non_abi/nvshmem_version.h")),
     );
-    format!(
-        "{}; {}; cutlass {cutlass}; nvshmem {nvshmem}",
-        PINS.stamp(),
-        tc.nvcc_version
-    )
+    format!("{}; cutlass {cutlass}; nvshmem {nvshmem}", tc.nvcc_version)
 }
 
 fn compile_one(
@@ -388,6 +474,8 @@ fn device_link(
         .args(["-dlink", "-fatbin", arch.gencode()])
         .arg(object)
         .arg(format!("-L{}", lib.display()))
+        // The pip wheel has no lib64, where nvcc.profile looks for libcudadevrt.
+        .arg(format!("-L{}", tc.cuda_lib_dir().display()))
         .arg("-lnvshmem_device")
         .arg("-o")
         .arg(fatbin)
@@ -487,6 +575,25 @@ mod tests {
         assert_eq!(fat.fat_archs, Arch::ALL.to_vec());
         assert!(all[..3].iter().all(|u| u.fat_archs.is_empty()));
         assert!(units(&dir, &[]).unwrap().is_empty());
+        let label = |f: KernelFamilies| -> Vec<String> {
+            let u = units_for(&dir, &[Arch::Sm90a], f).unwrap();
+            u.iter().map(Unit::label).collect()
+        };
+        let gemm_only = KernelFamilies {
+            gemm: true,
+            moe: false,
+        };
+        let moe_only = KernelFamilies {
+            gemm: false,
+            moe: true,
+        };
+        let neither = KernelFamilies {
+            gemm: false,
+            moe: false,
+        };
+        assert_eq!(label(gemm_only), ["host/abi", "sm90a/sm90a_x"]);
+        assert_eq!(label(moe_only), ["host/abi", "fat/router"]);
+        assert!(label(neither).is_empty());
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -43,11 +43,11 @@ pub use moe_ops::{
     Activation, ActivationKind, CombineBackward, CombineForward, GateUpLayout, Permute,
     RouterBackward, RouterForward, RouterScoring,
 };
+pub use moefuse_spec::{Op, Schedule, VariantArch, VariantSpec, VARIANTS};
 pub use ops::{
     Gemm, GemmShape, GroupedGemm, GroupedShape, RawGrouped, CONTIGUOUS_MAX_GROUPS,
     ZERO_EMPTY_GROUPS_MAX,
 };
-pub use moefuse_spec::{Op, Schedule, VariantArch, VariantSpec, VARIANTS};
 
 // The generated registry (`registry.rs`, included below) names these unqualified in its
 // `extern` block; a build without GEMM kernels (no arch, or feature `gemm` off) has none.

@@ -98,7 +98,9 @@ impl ActivationDesc {
         let kind = match self.activation {
             Activation::SwiGlu => mk::ActivationKind::SwiGlu,
             Activation::GeGlu => mk::ActivationKind::GeGlu,
-            Activation::SwiGluOai { alpha, limit } => mk::ActivationKind::SwiGluOai { alpha, limit },
+            Activation::SwiGluOai { alpha, limit } => {
+                mk::ActivationKind::SwiGluOai { alpha, limit }
+            }
             Activation::BoundedSwiGlu { limit } => mk::ActivationKind::BoundedSwiGlu { limit },
             Activation::Relu2 => mk::ActivationKind::Relu2,
         };

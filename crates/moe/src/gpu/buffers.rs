@@ -84,7 +84,11 @@ impl PermuteBuffers {
 
     /// `(rows, workspace int32 words)` for a shape, checked: experts in `1..=512`, top_k in
     /// `1..=16`, `max_tokens · top_k <= i32::MAX`.
-    pub(super) fn sizes(max_tokens: usize, experts: usize, top_k: usize) -> Result<(usize, usize), MoeError> {
+    pub(super) fn sizes(
+        max_tokens: usize,
+        experts: usize,
+        top_k: usize,
+    ) -> Result<(usize, usize), MoeError> {
         if !(1..=MAX_EXPERTS).contains(&experts) {
             return Err(MoeError::ExpertsOutOfRange {
                 experts,
