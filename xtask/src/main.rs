@@ -4,9 +4,10 @@
 //! |---|---|
 //! | `setup` | installs the pinned CUDA toolchain, CUTLASS and NVSHMEM (PyPI wheels) |
 //! | `gen-variants [--check]` | writes `kernels/instances/*/*.cu` from the variant table |
+//! | `gen-spec [--check]` | writes `kernels/include/moefuse/spec.h` from `crates/spec` |
 //! | `build-kernels --sm 90a,100a` | compiles the kernels (parallel, cached, progress bars) |
 //! | `inspect` | checks the built objects hold sm_90a/sm_100a SASS with HGMMA/UTCHMMA |
-//! | `test` | setup, gen-variants --check, bindgen --check, build-kernels, inspect, `cargo test --workspace`, check-consumer |
+//! | `test` | setup, gen-variants --check, gen-spec --check, bindgen --check, build-kernels, inspect, `cargo test --workspace`, check-consumer |
 //! | `check-consumer` | `cargo package --list`, `DOCS_RS` docs without a toolchain, an outside crate on a second checkout |
 //! | `demo` | the MoE-layer example: this GPU's arch only, or (no GPU) the CPU reference without kernels |
 //! | `device-pack` | builds GPU test and bench binaries into `.device-pack/` for the H200 |
@@ -18,6 +19,7 @@ mod bindgen;
 mod build;
 mod consumer;
 mod device_pack;
+mod gen_spec;
 mod launch;
 mod setup;
 mod variants;
@@ -45,6 +47,13 @@ enum Task {
     /// Write the kernel instance files from the variant table (crates/spec/src/variants.rs).
     GenVariants {
         /// Fail if a file would change instead of writing it.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Write crates/kernels/cuda/include/moefuse/spec.h (limits, grouped kinds, tile-order
+    /// fields) from crates/spec.
+    GenSpec {
+        /// Fail if the file would change instead of writing it.
         #[arg(long)]
         check: bool,
     },
@@ -119,6 +128,7 @@ fn main() -> ExitCode {
     let result = match cli.task {
         Task::Setup { force } => setup::run(force),
         Task::GenVariants { check } => variants::run(check),
+        Task::GenSpec { check } => gen_spec::run(check),
         Task::BuildKernels { sm, jobs } => build::build_kernels(&sm, jobs).map(|_| ()),
         Task::Inspect { sm } => build::inspect(&sm),
         Task::Test { args } => test(&args),
@@ -173,6 +183,7 @@ fn cargo() -> Command {
 fn test(args: &[String]) -> Result<()> {
     setup::run(false)?;
     variants::run(true)?;
+    gen_spec::run(true)?;
     bindgen::run(true, false)?;
     build::build_kernels("90a,100a", None)?;
     build::inspect("90a,100a")?;

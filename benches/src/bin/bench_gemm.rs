@@ -175,8 +175,8 @@ fn time_variants(
     gpu: &str,
     samples: usize,
 ) -> Result<Vec<Record>, Error> {
-    let (major, _) = stream.context().compute_capability()?;
-    let arch = if major == 9 { "sm90a" } else { "sm100a" };
+    let (major, minor) = stream.context().compute_capability()?;
+    let arch = moefuse_kernels::arch_of(major, minor)?;
     let op = if desc.b_layout == BLayout::Nk {
         "gemm_bnk"
     } else {
@@ -185,8 +185,9 @@ fn time_variants(
     let mut out = Vec::new();
     for v in moefuse_kernels::compiled()
         .iter()
+        .filter(|v| v.spec.arch == arch)
         .map(|v| v.name())
-        .filter(|n| n.starts_with(arch) && n.contains(op))
+        .filter(|n| n.contains(op))
     {
         let plan = gemm.plan_with(desc, Some(&v))?;
         let mut d = stream.clone_htod(&vec![POISON_BF16; desc.m * desc.n])?;

@@ -212,12 +212,13 @@ fn sweep(
         .split_once('_')
         .map_or("", |(_, o)| o)
         .to_string();
-    let (major, _) = stream.context().compute_capability()?;
-    let arch = if major == 9 { "sm90a" } else { "sm100a" };
+    let (major, minor) = stream.context().compute_capability()?;
+    let arch = moefuse_kernels::arch_of(major, minor)?;
     let names: Vec<String> = moefuse_kernels::compiled()
         .iter()
+        .filter(|v| v.spec.arch == arch)
         .map(|v| v.name())
-        .filter(|n| n.starts_with(arch) && n.contains(&format!("_{op}_")))
+        .filter(|n| n.contains(&format!("_{op}_")))
         .collect();
     let want: Vec<f32> = verified.iter().map(|x| x.to_f32()).collect();
     let sets = a.len();

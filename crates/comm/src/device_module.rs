@@ -16,12 +16,10 @@ fn cuda(e: result::DriverError) -> CommError {
 
 /// The embedded-module arch name for the device of `rt`, or a typed error.
 pub(crate) fn device_arch(rt: &Runtime) -> Result<&'static str, CommError> {
-    let cc = rt.context().compute_capability().map_err(cuda)?;
-    match cc {
-        (9, 0) => Ok("sm90a"),
-        (10, 0) => Ok("sm100a"),
-        (major, minor) => Err(CommError::UnsupportedDevice { major, minor }),
-    }
+    let (major, minor) = rt.context().compute_capability().map_err(cuda)?;
+    moefuse_kernels::arch_of(major, minor)
+        .map(|arch| arch.name())
+        .map_err(|_| CommError::UnsupportedDevice { major, minor })
 }
 
 /// A loaded, NVSHMEM-bound module. Unloaded (after `nvshmemx_cumodule_finalize`) on drop.

@@ -1,6 +1,7 @@
 //! The one error type of this crate: every check names the offending value.
 
 use moefuse_kernels::KernelError;
+use moefuse_spec::{TileOrder, TileOrderError};
 
 /// Which operand a check is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,14 +74,17 @@ pub enum GemmError {
         /// What was asked for.
         what: String,
     },
-    /// A tile order the kernels do not implement.
-    #[error("tile order swizzle {swizzle}: must be 0 or a power of two up to {max} for the chosen variant (and prefetch 0, interleave off unless it is a contiguous one)")]
+    /// A tile order the chosen variant does not implement (a swizzle above 8, or prefetch
+    /// or interleave, for a ptr-array variant; a width that is not a power of two).
+    #[error("{order:?} for variant {variant}: {source}")]
     InvalidTileOrder {
-        /// The requested swizzle.
-        swizzle: u8,
-        /// The largest the variant takes (8 for CUTLASS's schedulers, 128 as the contiguous
-        /// kernel's band height).
-        max: u8,
+        /// The requested order.
+        order: TileOrder,
+        /// The variant it was checked against (`any` before a variant is chosen).
+        variant: String,
+        /// The rule broken.
+        #[source]
+        source: TileOrderError,
     },
     /// The plan belongs to another device or layout than the call.
     #[error("plan mismatch: {0}")]

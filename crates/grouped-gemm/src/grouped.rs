@@ -7,9 +7,11 @@ use crate::{BLayout, GemmError, Operand};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moefuse_kernels::{CompiledVariant, GroupedShape, Kernels, Op};
+use moefuse_spec::{GroupedKind, TileOrder};
 use std::sync::Arc;
 
-/// Which grouped product (the group-layout enum shared with the kernels' `GroupedKind`).
+/// Which grouped product: [`GroupedKind`] (the group-layout enum shared with the kernels)
+/// with the weights' layout of an M-grouped one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GroupedOp {
     /// M-grouped: `D[rows_e] = A[rows_e] · W_e` with `W_e` stored per the layout
@@ -48,60 +50,25 @@ pub struct GroupedDesc {
     pub beta: f32,
     /// Expected rows per group, for the tile heuristic (default `rows / groups`).
     pub rows_per_group_hint: Option<usize>,
-    /// Order in which the persistent kernel walks each group's tiles (tuning).
+    /// Order in which the persistent kernel walks each group's tiles (tuning; the type and
+    /// its word are `moefuse_spec::tile_order`'s).
     pub tile_order: TileOrder,
 }
 
-/// Rasterisation of the output tiles inside a group, and the swizzle width: which tiles
-/// run together, so which operand tiles stay in L2.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TileOrder {
-    /// Walk direction.
-    pub raster: Raster,
-    /// CUTLASS's schedulers: max swizzle width 1 (none), 2, 4 or 8. The contiguous kernel
-    /// (`..._contig` variants): band height in m-blocks, 0 (its default, 16) or a power of
-    /// two up to 128; `AlongM` walks a band's m-blocks first, else its n-blocks.
-    pub swizzle: u8,
-    /// The contiguous kernel only: k-blocks of each CTA's next tile prefetched into L2 while
-    /// it works on the current one (0, the default: none; a tuning knob that measured no
-    /// gain on the H200, docs/perf-notes.md).
-    pub prefetch: u8,
-    /// The contiguous kernel only: alternate the front and the back of the tile list, so
-    /// the tiles running at once mix early and late groups (false, the default: measured in
-    /// docs/perf-notes.md; it spreads the weight reads of routing that puts large groups
-    /// first and many small ones last).
-    pub interleave: bool,
-}
-
-/// Walk direction of the tile scheduler.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Raster {
-    /// The kernel's default (CUTLASS's grouped scheduler: along M).
-    #[default]
-    Default,
-    /// Consecutive tiles step along M (one column block of B stays hot).
-    AlongM,
-    /// Consecutive tiles step along N (one row block of A stays hot).
-    AlongN,
-}
-
-impl TileOrder {
-    fn encode(self) -> Result<i32, GemmError> {
-        let raster = match self.raster {
-            Raster::Default => 0,
-            Raster::AlongM => 1,
-            Raster::AlongN => 2,
-        };
-        if !self.swizzle.is_power_of_two() && self.swizzle != 0 {
-            return Err(GemmError::InvalidTileOrder {
-                swizzle: self.swizzle,
-                max: 128,
-            });
+impl GroupedOp {
+    /// The grouped kind the kernels implement this product with.
+    ///
+    /// ```
+    /// use moefuse_grouped_gemm::{BLayout, GroupedOp};
+    /// use moefuse_spec::GroupedKind;
+    /// assert_eq!(GroupedOp::MGrouped(BLayout::Kn).kind(), GroupedKind::MGrouped);
+    /// assert_eq!(GroupedOp::KGrouped.kind(), GroupedKind::KGrouped);
+    /// ```
+    pub const fn kind(self) -> GroupedKind {
+        match self {
+            GroupedOp::MGrouped(_) => GroupedKind::MGrouped,
+            GroupedOp::KGrouped => GroupedKind::KGrouped,
         }
-        Ok(raster
-            | (i32::from(self.swizzle) << 8)
-            | (i32::from(self.prefetch) << 16)
-            | (i32::from(self.interleave) << 24))
     }
 }
 
@@ -191,13 +158,13 @@ impl GroupedDesc {
     /// Elements A, B and D must hold.
     pub fn extents(&self) -> [(Operand, usize); 3] {
         let (g, r, n, k) = (self.groups, self.rows, self.n, self.k);
-        match self.op {
-            GroupedOp::MGrouped(_) => [
+        match self.op.kind() {
+            GroupedKind::MGrouped => [
                 (Operand::A, r * k),
                 (Operand::B, g * n * k),
                 (Operand::D, r * n),
             ],
-            GroupedOp::KGrouped => [
+            GroupedKind::KGrouped => [
                 (Operand::A, r * k),
                 (Operand::B, r * n),
                 (Operand::D, g * k * n),
@@ -219,7 +186,14 @@ impl GroupedDesc {
         if self.groups.checked_mul(n * k).is_none() || m.checked_mul(n.max(k)).is_none() {
             return Err(shape("buffer extents overflow"));
         }
-        self.tile_order.encode()?;
+        // Any variant's rule (a contiguous one reads every field); plan checks the chosen one.
+        self.tile_order
+            .check(true)
+            .map_err(|source| GemmError::InvalidTileOrder {
+                order: self.tile_order,
+                variant: "any".into(),
+                source,
+            })?;
         for (dim, value) in [("n", n), ("k", k)] {
             if value % 8 != 0 {
                 return Err(GemmError::Misaligned {
@@ -245,7 +219,7 @@ impl GroupedDesc {
             rows: self.rows,
             n: self.n,
             k: self.k,
-            tile_order: self.tile_order.encode().unwrap_or(0),
+            tile_order: self.tile_order.encode(),
             alpha: self.alpha,
             beta: self.beta,
         }
@@ -384,16 +358,13 @@ impl GroupedGemm {
         let variant =
             heuristics::choose(self.spec.as_ref(), &desc.problem(), self.device, variant)?;
         let contiguous = variant.spec.schedule == moefuse_kernels::Schedule::Contiguous;
-        if !contiguous
-            && (desc.tile_order.swizzle > 8
-                || desc.tile_order.prefetch != 0
-                || desc.tile_order.interleave)
-        {
-            return Err(GemmError::InvalidTileOrder {
-                swizzle: desc.tile_order.swizzle,
-                max: 8,
-            });
-        }
+        desc.tile_order
+            .check(contiguous)
+            .map_err(|source| GemmError::InvalidTileOrder {
+                order: desc.tile_order,
+                variant: variant.name(),
+                source,
+            })?;
         // The launch layer's host `can_implement` (limits, int32 row arithmetic, tile
         // order) runs here too, so a plan that exists can launch.
         let workspace_bytes = self.kernels.grouped_workspace(variant, &desc.shape())?;
@@ -524,6 +495,7 @@ pub fn validate_offsets(ends: &[i32], rows: usize) -> Result<(), GemmError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use moefuse_spec::{Raster, TileOrderError};
 
     #[test]
     fn extents_follow_the_op() {
@@ -563,32 +535,36 @@ mod tests {
     }
 
     #[test]
-    fn tile_order_encodes_as_abi_h_says() {
-        let o = |raster, swizzle| {
-            TileOrder {
+    fn tile_order_reaches_the_launch_word_and_is_checked() {
+        let with = |raster, swizzle| GroupedDesc {
+            tile_order: TileOrder {
                 raster,
                 swizzle,
                 ..TileOrder::default()
-            }
-            .encode()
+            },
+            ..GroupedDesc::forward(4, 64, 8, 8, BLayout::Nk)
         };
-        assert_eq!(o(Raster::Default, 0).unwrap(), 0);
-        assert_eq!(o(Raster::AlongN, 4).unwrap(), 2 | (4 << 8));
-        assert!(matches!(
-            o(Raster::AlongM, 3),
-            Err(GemmError::InvalidTileOrder { swizzle: 3, .. })
-        ));
-        assert_eq!(o(Raster::AlongM, 32).unwrap(), 1 | (32 << 8));
-        let pf = TileOrder {
-            prefetch: 255,
-            ..TileOrder::default()
+        assert_eq!(with(Raster::Default, 0).shape().tile_order, 0);
+        assert_eq!(with(Raster::AlongN, 4).shape().tile_order, 2 | (4 << 8));
+        assert_eq!(with(Raster::AlongM, 32).shape().tile_order, 1 | (32 << 8));
+        assert!(with(Raster::AlongM, 32).validate().is_ok());
+        match with(Raster::AlongM, 3).validate() {
+            Err(GemmError::InvalidTileOrder {
+                order,
+                source: TileOrderError::Width { width: 3, .. },
+                ..
+            }) => assert_eq!(order.swizzle, 3),
+            other => panic!("{other:?}"),
+        }
+        let mixed = GroupedDesc {
+            tile_order: TileOrder {
+                prefetch: 255,
+                interleave: true,
+                ..TileOrder::default()
+            },
+            ..GroupedDesc::wgrad(4, 64, 8, 8)
         };
-        assert_eq!(pf.encode().unwrap(), 255 << 16);
-        let mixed = TileOrder {
-            interleave: true,
-            ..TileOrder::default()
-        };
-        assert_eq!(mixed.encode().unwrap(), 1 << 24);
+        assert_eq!(mixed.shape().tile_order, (255 << 16) | (1 << 24));
     }
 
     #[test]

@@ -33,6 +33,18 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+/// The cudarc this crate is built against: its `CudaContext`, `CudaStream`, `CudaSlice`
+/// and views are the types every call takes, so use these rather than a separately
+/// versioned cudarc.
+///
+/// ```no_run
+/// use moefuse_grouped_gemm::cudarc::driver::CudaContext;
+/// let ctx = CudaContext::new(0)?;
+/// let gemm = moefuse_grouped_gemm::Gemm::new(&ctx)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub use cudarc;
+
 mod error;
 mod gemm;
 mod grouped;
@@ -42,6 +54,8 @@ pub mod reference;
 pub use error::{GemmError, Operand};
 pub use gemm::{BLayout, Gemm, GemmDesc, GemmPlan};
 pub use grouped::{
-    check_offsets, validate_offsets, GroupedDesc, GroupedGemm, GroupedOp, GroupedPlan, Raster,
-    TileOrder,
+    check_offsets, validate_offsets, GroupedDesc, GroupedGemm, GroupedOp, GroupedPlan,
 };
+/// The tile order and its fields are defined once, in `moefuse-spec` (`tile_order`), for
+/// this crate, the launch layer and the C header alike.
+pub use moefuse_spec::tile_order::{Raster, TileOrder, TileOrderError};

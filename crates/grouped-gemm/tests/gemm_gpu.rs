@@ -8,7 +8,7 @@ mod common;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{reference, BLayout, Gemm, GemmDesc, GemmError, Operand};
-use moefuse_kernels::{GemmShape, KernelError, Kernels};
+use moefuse_kernels::{GemmShape, KernelError, Kernels, VariantArch};
 use moefuse_testkit::{check_close, to_f32, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
@@ -206,11 +206,16 @@ fn main() {
             }
         })
         .test("kernel_of_another_arch_is_refused_before_launch", |ctx| {
-            let (major, _) = ctx.compute_capability().map_err(|e| e.to_string())?;
-            let foreign = if major == 9 { "sm100a" } else { "sm90a" };
+            let (major, minor) = ctx.compute_capability().map_err(|e| e.to_string())?;
+            let own = moefuse_kernels::arch_of(major, minor).map_err(|e| e.to_string())?;
+            let foreign = VariantArch::ALL
+                .into_iter()
+                .find(|a| *a != own)
+                .expect("moefuse has two arches")
+                .name();
             let Some(v) = moefuse_kernels::compiled()
                 .iter()
-                .find(|v| v.name().starts_with(foreign) && !v.spec.op.is_grouped())
+                .find(|v| v.spec.arch.name() == foreign && !v.spec.op.is_grouped())
             else {
                 return Err(format!(
                     "no {foreign} variant compiled: build with MOEFUSE_CUDA_ARCHS=90a,100a"

@@ -3,7 +3,7 @@
 //! An object is reused when its key matches and every header nvcc's depfile listed inside
 //! the kernel tree still has the content it had when the object was built. The key holds
 //! the source text, the flags with every path replaced by a root name (`<kernels>`,
-//! `<cutlass>`, ...), the toolchain's identity (pins, nvcc version, CUTLASS and NVSHMEM
+//! `<cutlass>`, ...), the toolchain's identity (nvcc's version line, the CUTLASS and NVSHMEM
 //! version headers), the unit's label and kind: never an absolute path, so a second
 //! checkout of the same commit, in any folder, reuses every object.
 //!

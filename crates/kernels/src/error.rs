@@ -163,6 +163,17 @@ pub enum KernelError {
         /// The required multiple.
         multiple: usize,
     },
+    /// A grouped launch's tile-order word that the variant does not take.
+    #[error("kernel {kernel}: tile_order {word:#x}: {source}")]
+    InvalidTileOrder {
+        /// The kernel.
+        kernel: String,
+        /// The word.
+        word: i32,
+        /// The rule broken.
+        #[source]
+        source: moefuse_spec::TileOrderError,
+    },
     /// Arguments that contradict each other (e.g. `x_perm` without `x`).
     #[error("kernel {kernel}: {why}")]
     Inconsistent {

@@ -140,9 +140,9 @@ pub const MOEFUSE_GATE_UP_INTERLEAVED: i32 = 1;
 pub struct MoefuseRouterArgs {
     /// Tokens `T` (0: nothing is launched).
     pub tokens: i32,
-    /// Experts `E`, `1..=512`.
+    /// Experts `E`, `1..=512` ([`MAX_EXPERTS`](moefuse_spec::MAX_EXPERTS)).
     pub experts: i32,
-    /// Experts per token `k`, `1..=min(16, E)`.
+    /// Experts per token `k`, `1..=min(16, E)` ([`MAX_TOP_K`](moefuse_spec::MAX_TOP_K)).
     pub top_k: i32,
     /// `MOEFUSE_ROUTER_*`.
     pub kind: i32,
@@ -224,9 +224,9 @@ pub struct MoefuseActivationArgs {
 pub struct MoefusePermuteArgs {
     /// Tokens.
     pub tokens: i32,
-    /// Experts (<= 512).
+    /// Experts (<= 512, [`MAX_EXPERTS`](moefuse_spec::MAX_EXPERTS)).
     pub experts: i32,
-    /// Slots per token (<= 16).
+    /// Slots per token (<= 16, [`MAX_TOP_K`](moefuse_spec::MAX_TOP_K)).
     pub top_k: i32,
     /// Row width of x (multiple of 8) when gathering.
     pub hidden: i32,

@@ -126,11 +126,11 @@ impl Launch<'_> {
 /// assert!(arch_of(8, 9).is_err());
 /// ```
 pub fn arch_of(major: i32, minor: i32) -> Result<VariantArch, KernelError> {
-    match (major, minor) {
-        (9, 0) => Ok(VariantArch::Sm90a),
-        (10, 0) => Ok(VariantArch::Sm100a),
-        _ => Err(KernelError::UnsupportedArch { major, minor }),
-    }
+    let found = match (u32::try_from(major), u32::try_from(minor)) {
+        (Ok(major), Ok(minor)) => VariantArch::from_capability(major, minor),
+        _ => None,
+    };
+    found.ok_or(KernelError::UnsupportedArch { major, minor })
 }
 
 fn require_built(arch: VariantArch, built: &[&str]) -> Result<(), KernelError> {

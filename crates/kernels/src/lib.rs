@@ -43,11 +43,19 @@ pub use moe_ops::{
     Activation, ActivationKind, CombineBackward, CombineForward, GateUpLayout, Permute,
     RouterBackward, RouterForward, RouterScoring,
 };
-pub use moefuse_spec::{Op, Schedule, VariantArch, VariantSpec, VARIANTS};
-pub use ops::{
-    Gemm, GemmShape, GroupedGemm, GroupedShape, RawGrouped, CONTIGUOUS_MAX_GROUPS,
+/// The facts shared with the build scripts, xtask and the C side (`moefuse-spec`): arch
+/// table, variant table, limits, grouped kinds, tile-order fields. Re-exported so a crate
+/// that depends on this one reads the same values without a second dependency.
+///
+/// ```
+/// assert_eq!(moefuse_kernels::spec::MAX_TOP_K, 16);
+/// ```
+pub use moefuse_spec as spec;
+pub use moefuse_spec::{
+    GroupedKind, Op, Schedule, VariantArch, VariantSpec, CONTIGUOUS_MAX_GROUPS, VARIANTS,
     ZERO_EMPTY_GROUPS_MAX,
 };
+pub use ops::{Gemm, GemmShape, GroupedGemm, GroupedShape, RawGrouped};
 
 // The generated registry (`registry.rs`, included below) names these unqualified in its
 // `extern` block; a build without GEMM kernels (no arch, or feature `gemm` off) has none.
@@ -153,6 +161,9 @@ fn last_error() -> String {
     #[cfg(not(moefuse_kernels_linked))]
     String::new()
 }
+
+#[cfg(test)]
+mod spec_tests;
 
 #[cfg(test)]
 mod tests {

@@ -110,9 +110,9 @@ fn check_routing(
 pub struct RouterForward<'a> {
     /// Tokens (0: nothing is launched).
     pub tokens: usize,
-    /// Experts, `1..=512`.
+    /// Experts, `1..=`[`MAX_EXPERTS`] (512).
     pub experts: usize,
-    /// Experts per token, `1..=min(16, experts)`.
+    /// Experts per token, `1..=min(`[`MAX_TOP_K`]` (16), experts)`.
     pub top_k: usize,
     /// Scoring.
     pub scoring: RouterScoring,

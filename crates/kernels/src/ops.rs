@@ -5,15 +5,12 @@ use crate::launch::{check_len, check_multiple, check_range, extent, to_i32, Bind
 use crate::{ffi, CompiledVariant, Entry, KernelError, Kernels, Op, Schedule, VariantSpec};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
+use moefuse_spec::{GroupedKind, TileOrder, CONTIGUOUS_MAX_GROUPS, ZERO_EMPTY_GROUPS_MAX};
 
 /// TMA moves 16-byte rows: bf16 operands start 16-byte aligned.
 pub(crate) const OPERAND_ALIGN: u64 = 16;
 /// The grouped launchers carve their per-group arrays from a 256-byte aligned workspace.
 pub(crate) const GROUPED_WORKSPACE_ALIGN: u64 = 256;
-/// Groups the contiguous kernel's shared-memory table holds (`kMaxGroups`).
-pub const CONTIGUOUS_MAX_GROUPS: usize = 512;
-/// `zero_empty_groups` puts one group per `blockIdx.y`, which CUDA caps at 65535.
-pub const ZERO_EMPTY_GROUPS_MAX: usize = 65_535;
 
 /// A dense problem: `D[m, n] = alpha · A[m, k] · B + beta · C`, all packed row-major bf16,
 /// B `[n, k]` or `[k, n]` as the variant's [`Op`] says.
@@ -103,7 +100,8 @@ pub struct GroupedShape {
     pub n: usize,
     /// M-grouped: inner dimension. K-grouped: columns of A, rows of each D_e.
     pub k: usize,
-    /// abi.h's tile-order word (raster, swizzle or band, prefetch, interleave).
+    /// abi.h's tile-order word (raster, swizzle or band, prefetch, interleave):
+    /// [`TileOrder::encode`](moefuse_spec::TileOrder::encode) of the order wanted.
     pub tile_order: i32,
     /// Scale of the product.
     pub alpha: f32,
@@ -286,7 +284,7 @@ pub(crate) fn check_grouped(
             CONTIGUOUS_MAX_GROUPS as i128,
         )?;
     }
-    let k_grouped = spec.op == Op::GroupedWgrad;
+    let k_grouped = spec.op.grouped_kind() == Some(GroupedKind::KGrouped);
     if k_grouped && s.beta == 0.0 {
         check_range(
             kernel,
@@ -324,34 +322,15 @@ fn cdiv(a: i128, b: i128) -> i128 {
     (a + b - 1) / b
 }
 
-fn check_tile_order(kernel: &str, schedule: Schedule, t: i32) -> Result<(), KernelError> {
-    check_range(kernel, "tile_order raster", (t & 3) as i128, 0, 2)?;
-    let width = (t >> 8) & 0xff;
-    if schedule == Schedule::Contiguous {
-        if t & !0x1ff_ff03 != 0 {
-            return Err(KernelError::Inconsistent {
-                kernel: kernel.to_string(),
-                why: "tile_order sets bits outside raster, band, prefetch and interleave",
-            });
-        }
-    } else {
-        if t & !0xff03 != 0 {
-            return Err(KernelError::Inconsistent {
-                kernel: kernel.to_string(),
-                why: "tile_order prefetch and interleave are for contiguous variants only",
-            });
-        }
-        check_range(kernel, "tile_order swizzle", width as i128, 0, 8)?;
-    }
-    if width & (width - 1).max(0) != 0 {
-        return Err(KernelError::NotMultiple {
+/// The tile-order word as the launchers decode it (`moefuse_spec::tile_order`).
+fn check_tile_order(kernel: &str, schedule: Schedule, word: i32) -> Result<(), KernelError> {
+    TileOrder::decode(word, schedule == Schedule::Contiguous)
+        .map(|_| ())
+        .map_err(|source| KernelError::InvalidTileOrder {
             kernel: kernel.to_string(),
-            what: "tile_order swizzle/band (a power of two)",
-            value: width as usize,
-            multiple: 2,
-        });
-    }
-    Ok(())
+            word,
+            source,
+        })
 }
 
 fn b_layout(op: Op) -> i32 {

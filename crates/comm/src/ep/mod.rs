@@ -71,8 +71,11 @@ pub struct EpConfig {
 
 /// Largest world the count kernel's shared memory is sized for.
 pub const MAX_RANKS: usize = 64;
-/// Largest expert count (the notify kernel's per-expert table).
-pub const MAX_EXPERTS: usize = 512;
+/// Largest expert count (the notify kernel's per-expert table): the layer's limit,
+/// `moefuse_spec::MAX_EXPERTS`.
+pub const MAX_EXPERTS: usize = moefuse_kernels::spec::MAX_EXPERTS;
+/// Most slots per token: the layer's limit, `moefuse_spec::MAX_TOP_K`.
+const MAX_TOP_K: usize = moefuse_kernels::spec::MAX_TOP_K;
 
 impl EpConfig {
     /// The sizes, with [`DEFAULT_EP_TIMEOUT`].
@@ -107,10 +110,14 @@ impl EpConfig {
             return bad("ranks", ranks, "1..=64");
         }
         if self.experts == 0 || self.experts > MAX_EXPERTS {
-            return bad("experts", self.experts, "1..=512");
+            return bad("experts", self.experts, "1..=512 (MAX_EXPERTS)");
         }
-        if self.top_k == 0 || self.top_k > 16 || self.top_k > self.experts {
-            return bad("top_k", self.top_k, "1..=16 and at most experts");
+        if self.top_k == 0 || self.top_k > MAX_TOP_K || self.top_k > self.experts {
+            return bad(
+                "top_k",
+                self.top_k,
+                "1..=16 (MAX_TOP_K) and at most experts",
+            );
         }
         if self.hidden == 0 || self.hidden % 8 != 0 {
             return bad("hidden", self.hidden, "a positive multiple of 8");

@@ -4,12 +4,9 @@
 
 use super::{ragged_wave_cost, ArchSpec, Device, Problem};
 use moefuse_kernels::{CompiledVariant, Schedule, VariantArch};
+use moefuse_spec::CONTIGUOUS_MAX_GROUPS;
 
 pub(crate) struct Sm90;
-
-/// Groups the contiguous kernel's shared-memory table holds (`kMaxGroups` in
-/// `kernels/include/moefuse/sm90/contiguous_grouped_gemm.cuh`).
-pub(crate) const CONTIGUOUS_MAX_GROUPS: usize = 512;
 
 impl ArchSpec for Sm90 {
     fn arch(&self) -> VariantArch {
@@ -66,7 +63,7 @@ mod tests {
 
     #[test]
     fn picks_the_measured_best_tile_for_moe_shapes_and_pingpong_for_decode() {
-        if !moefuse_kernels::built_archs().contains(&"sm90a") {
+        if !moefuse_kernels::built_archs().contains(&VariantArch::Sm90a.name()) {
             println!("SKIPPED picks_the_measured_best_tile: sm90a not built (MOEFUSE_CUDA_ARCHS)");
             return;
         }

@@ -3,13 +3,17 @@
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
-/// Names of the compiled variants for `ctx`'s architecture whose name contains `op`.
+/// Names of the compiled variants for `ctx`'s architecture whose name contains `op` (none
+/// on a GPU moefuse has no kernels for).
 pub fn variants_for(ctx: &Arc<CudaContext>, op: &str) -> Vec<String> {
-    let (major, _) = ctx.compute_capability().expect("compute capability");
-    let arch = if major == 9 { "sm90a" } else { "sm100a" };
+    let (major, minor) = ctx.compute_capability().expect("compute capability");
+    let Ok(arch) = moefuse_kernels::arch_of(major, minor) else {
+        return Vec::new();
+    };
     moefuse_kernels::compiled()
         .iter()
+        .filter(|v| v.spec.arch == arch)
         .map(|v| v.name())
-        .filter(|n| n.starts_with(arch) && n.contains(op))
+        .filter(|n| n.contains(op))
         .collect()
 }

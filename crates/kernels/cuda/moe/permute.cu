@@ -22,6 +22,7 @@
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
 #include "moefuse/common/rows.cuh"
+#include "moefuse/spec.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
 static_assert(sizeof(moefuse_permute_args) == 88 && offsetof(moefuse_permute_args, topk_ids) == 16 &&
@@ -45,8 +46,8 @@ using namespace moefuse::rows;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_PERMUTE_CHUNK;
-constexpr int kMaxExperts = 512;
-constexpr int kMaxTopK = 16;
+constexpr int kMaxExperts = MOEFUSE_SPEC_MAX_EXPERTS;  // crates/spec: limits.rs
+constexpr int kMaxTopK = MOEFUSE_SPEC_MAX_TOP_K;
 static_assert(kChunk == kWarps * 32, "count: 32 tokens per warp");
 
 __device__ __forceinline__ void raise(uint32_t* flags, uint32_t bit) {

@@ -20,12 +20,13 @@
 #include <cmath>
 
 #include "moefuse/moe/common.cuh"
+#include "moefuse/spec.h"
 
 namespace moefuse::moe {
 namespace {
 
-constexpr int kMaxExperts = 512;
-constexpr int kMaxTopK = 16;
+constexpr int kMaxExperts = MOEFUSE_SPEC_MAX_EXPERTS;  // crates/spec: limits.rs
+constexpr int kMaxTopK = MOEFUSE_SPEC_MAX_TOP_K;
 constexpr int kMaxGroups = kMaxExperts / 2;  // every group holds >= 2 experts
 constexpr int kPerLane = kMaxExperts / kWarp;
 constexpr int kWarpsPerBlock = 4;

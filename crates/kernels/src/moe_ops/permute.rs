@@ -32,9 +32,9 @@ const ROW_ALIGN: u64 = 16;
 pub struct Permute<'a> {
     /// Tokens.
     pub tokens: usize,
-    /// Experts, `1..=512`.
+    /// Experts, `1..=`[`MAX_EXPERTS`] (512).
     pub experts: usize,
-    /// Slots per token, `1..=16`.
+    /// Slots per token, `1..=`[`MAX_TOP_K`] (16).
     pub top_k: usize,
     /// Row width of x (multiple of 8) when gathering; else ignored.
     pub hidden: usize,
