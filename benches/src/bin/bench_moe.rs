@@ -9,13 +9,18 @@
 //! CUDA events, 3 warm-ups, median and IQR; activations rotate through input sets past 3×
 //! L2. TFLOP/s by useful FLOPs: forward 6·T·k·D·I, backward twice that. Appends to
 //! `DIR/moe.jsonl` (backend `moefuse`).
+//!
+//! Per model, one plan at the largest token count, the weights in the bench's own buffers
+//! (the layers borrow views) and one workspace shared by a Training layer (timed) and an
+//! Inference layer, whose `memory()` both print; the Inference forward must equal the
+//! Training forward bit for bit (checked once per case, before timing).
 
 #![forbid(unsafe_code)]
 
 use clap::Parser;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use moefuse::gpu::{MoeLayer, Routing};
+use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
 use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
 use moefuse_testkit::{rel_err, Rng, Stats};
@@ -102,10 +107,29 @@ fn main() -> Result<(), Error> {
         let down_h = scale(rng.bf16_vec(e * d * i), 1.7 / (i as f32).sqrt());
         let gate_up = stream.clone_htod(&gate_up_h)?;
         let down = stream.clone_htod(&down_h)?;
-        let mut layer = MoeLayer::with_device_weights(&stream, cfg, max_t, gate_up, down, None)?;
+        let plan = MoePlan::new(cfg, max_t)?;
+        let mut ws = MoeWorkspace::new(&stream, plan.workspace_bytes(Mode::Training))?;
+        let mut layers = Layers {
+            train: MoeLayer::new(&stream, &plan, Mode::Training)?,
+            infer: MoeLayer::new(&stream, &plan, Mode::Inference)?,
+            weights: Weights::new(gate_up.as_view(), down.as_view()),
+            ws: &mut ws,
+        };
+        for l in [&layers.train, &layers.infer] {
+            println!("  {model} max_t{max_t} memory, {}", l.memory());
+        }
         for &t in &token_list {
             let recs = bench_case(
-                &ctx, &stream, &mut layer, &gate_up_h, &down_h, model, t, &args, &gpu, &mut rng,
+                &ctx,
+                &stream,
+                &mut layers,
+                &gate_up_h,
+                &down_h,
+                model,
+                t,
+                &args,
+                &gpu,
+                &mut rng,
             )?;
             for r in &recs {
                 println!("{}", r.line());
@@ -114,6 +138,14 @@ fn main() -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// One model's layers (Training, timed; Inference, checked), its weights and workspace.
+struct Layers<'a> {
+    train: MoeLayer,
+    infer: MoeLayer,
+    weights: Weights<'a>,
+    ws: &'a mut MoeWorkspace,
 }
 
 /// Balanced random routing: ids and softmax-renormalised weights.
@@ -190,7 +222,7 @@ fn one_token(
 fn bench_case(
     ctx: &Arc<cudarc::driver::CudaContext>,
     stream: &Arc<CudaStream>,
-    layer: &mut MoeLayer,
+    layers: &mut Layers<'_>,
     gate_up_h: &[bf16],
     down_h: &[bf16],
     model: &str,
@@ -199,6 +231,12 @@ fn bench_case(
     gpu: &str,
     rng: &mut Rng,
 ) -> Result<Vec<Record>, Error> {
+    let Layers {
+        train: layer,
+        infer,
+        weights: wv,
+        ws: work,
+    } = layers;
     let cfg = *layer.config();
     let (d, e, k) = (cfg.hidden, cfg.experts, cfg.top_k);
     let sets = rotation(ctx, t * d * 2 * 4);
@@ -223,7 +261,13 @@ fn bench_case(
         topk_weights: &ws_d,
     };
 
-    layer.forward(&xs[0], t, ext(), &mut y)?;
+    layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
+    let bits = |v: Vec<bf16>| v.into_iter().map(bf16::to_bits).collect::<Vec<_>>();
+    let y_train = bits(stream.clone_dtoh(&y)?);
+    infer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
+    if bits(stream.clone_dtoh(&y)?) != y_train {
+        return Err(format!("{model} t{t}: the inference forward differs from training").into());
+    }
     let n = t.min(16);
     let got: Vec<f32> = stream.clone_dtoh(&y)?[..n * d]
         .iter()
@@ -247,9 +291,9 @@ fn bench_case(
             ctx.new_event(timing)?,
         );
         a.record(stream)?;
-        layer.forward(x, t, ext(), &mut y)?;
+        layer.forward(wv, x, t, ext(), &mut y, work)?;
         b.record(stream)?;
-        layer.backward(&dy, &mut dx, &mut grads, false)?;
+        layer.backward(wv, &dy, &mut dx, &mut grads, false, work)?;
         c.record(stream)?;
         c.synchronize()?;
         if s >= 3 {
@@ -260,9 +304,9 @@ fn bench_case(
     }
     if args.profile {
         layer.set_profiling(true);
-        layer.forward(&xs[0], t, ext(), &mut y)?;
+        layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
         let f = layer.stage_times()?;
-        layer.backward(&dy, &mut dx, &mut grads, false)?;
+        layer.backward(wv, &dy, &mut dx, &mut grads, false, work)?;
         let b = layer.stage_times()?;
         layer.set_profiling(false);
         let show = |v: Vec<(&str, f32)>| {

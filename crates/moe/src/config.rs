@@ -10,10 +10,9 @@ pub const DIM_MULTIPLE: usize = 64;
 /// every size the layer computes from a valid config (e.g. `E·2I·D`, `max_tokens·k·D`)
 /// fits in `usize` and every per-row extent in the kernels' int32.
 pub const MAX_DIM: usize = 1 << 20;
-/// The largest supported expert count.
-pub const MAX_EXPERTS: usize = 512;
-/// The largest supported top-k.
-pub const MAX_TOP_K: usize = 16;
+/// The largest expert count and top-k, defined once in `moefuse-spec` for the kernels, the
+/// build and this crate alike.
+pub use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
 /// The largest token count one call accepts.
 pub const MAX_TOKENS: usize = 65536;
 

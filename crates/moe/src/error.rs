@@ -227,6 +227,21 @@ pub enum MoeError {
         /// differed.
         stale_forward: bool,
     },
+    /// A backward (or its gradient buffers) was asked of a layer that keeps nothing for
+    /// one.
+    #[error("backward needs a layer built with Mode::Training; this one is in {mode} mode and saves nothing for a backward")]
+    NotTraining {
+        /// The layer's mode.
+        mode: crate::gpu::Mode,
+    },
+    /// The caller's workspace is smaller than the layer's plan asks.
+    #[error("the workspace holds {got} bytes, the plan needs {needed} (MoePlan::workspace_bytes)")]
+    WorkspaceTooSmall {
+        /// Bytes the plan needs in the layer's mode.
+        needed: usize,
+        /// Bytes the workspace holds.
+        got: usize,
+    },
     /// The layer was asked for a backward before any forward.
     #[error("backward called before any forward")]
     NoForward,

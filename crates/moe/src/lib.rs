@@ -27,21 +27,32 @@
 //!
 //! # On the GPU
 //!
-//! [`gpu`] holds the layer's first GPU pieces that are not GEMMs, on cudarc streams and
-//! device buffers, tested against this crate's CPU reference: the router forward and
-//! backward ([`gpu::route`], [`gpu::route_backward`]) and the activation over the
-//! expert-major intermediate ([`gpu::activation_forward`], [`gpu::activation_backward`]).
+//! [`gpu`] holds the layer on cudarc streams and device buffers, tested against this
+//! crate's CPU reference: its kernels one by one (router, permutation, activation,
+//! combine) and [`gpu::MoeLayer`], the whole layer as plan → run over stages:
+//!
+//! 1. [`gpu::MoePlan::new`] validates a config and a token bound once and sizes every
+//!    buffer on the host; [`gpu::MoePlan::workspace_bytes`] sizes the shared scratch.
+//! 2. [`gpu::MoeLayer::new`] binds a plan to a stream in a [`gpu::Mode`]: `Inference`
+//!    keeps nothing for a backward, `Training` what the backward reads
+//!    ([`gpu::MoeLayer::memory`]).
+//! 3. Each [`forward`](gpu::MoeLayer::forward) and [`backward`](gpu::MoeLayer::backward)
+//!    borrows the caller's weights ([`gpu::Weights`]) and a [`gpu::MoeWorkspace`] that
+//!    every layer on the stream shares.
+//!
+//! The host weights ([`model::MoeWeights`]) and the routing rules
+//! ([`model::check_routing`]) are the [`model`]'s, shared by both sides.
 //!
 //! # Using it
 //!
 //! 1. Build a [`MoeConfig`] and [`validate`](MoeConfig::validate) it ([`MoeError`] names
 //!    the broken rule).
-//! 2. Fill [`reference::MoeWeights`] (all tensors row-major f32, layouts on the type).
+//! 2. Fill [`model::MoeWeights`] (all tensors row-major f32, layouts on the type).
 //! 3. Run [`reference::forward`], keep its [`reference::ForwardOutput`], and run
 //!    [`reference::backward`] with `dy`.
 //!
 //! ```
-//! use moefuse::{reference::{backward, forward, MoeWeights, RoutingInput}, Activation,
+//! use moefuse::{model::MoeWeights, reference::{backward, forward, RoutingInput}, Activation,
 //!     GateUpLayout, MoeConfig, RouterKind};
 //! let cfg = MoeConfig::new(64, 128, 8, 2)
 //!     .with_activation(Activation::swiglu_oai())
@@ -63,9 +74,14 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+/// The CUDA driver bindings this crate's device API is written in (cudarc), re-exported so
+/// callers allocate buffers, streams and views with the very version [`gpu`] takes.
+pub use cudarc;
+
 mod config;
 mod error;
 pub mod gpu;
+pub mod model;
 pub mod reference;
 
 pub use config::{

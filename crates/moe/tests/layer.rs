@@ -6,9 +6,10 @@
 mod common;
 
 use common::{close, weighted_sum, Rng};
+use moefuse::model::MoeWeights;
 use moefuse::reference::{
     activation::value, backward, backward_into, forward, route, ForwardOutput, Gradients,
-    MoeWeights, RoutingInput,
+    RoutingInput,
 };
 use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 

@@ -7,165 +7,19 @@
 
 #![forbid(unsafe_code)]
 
+mod layer_common;
+
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
-use moefuse::gpu::{MoeLayer, Routing};
-use moefuse::reference::{self, MoeWeights, RoutingInput};
-use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
+use layer_common::{bits, build, cases, e, f32s, inputs, same_bits, to_bf, Built, Case, Route};
+use moefuse::gpu::{Mode, MoePlan, MoeWorkspace, Routing, Weights};
+use moefuse::model::MoeWeights;
+use moefuse::reference::{self, RoutingInput};
+use moefuse::{MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{check_close, GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
 
 const REL: f64 = 2e-2;
-
-fn e<E: std::fmt::Display>(x: E) -> String {
-    x.to_string()
-}
-
-/// Values exactly representable in bf16, so both sides see the same inputs.
-fn bf_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| bf16::from_f32(rng.uniform() * scale).to_f32())
-        .collect()
-}
-
-fn to_bf(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
-}
-
-fn f32s(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
-}
-
-#[derive(Clone, Copy)]
-enum Route {
-    Ours,
-    /// External routing over the lower half of the experts only (the rest get no rows).
-    ExternalLowerHalf,
-}
-
-struct Case {
-    name: &'static str,
-    cfg: MoeConfig,
-    tokens: usize,
-    route: Route,
-}
-
-fn cases() -> Vec<Case> {
-    let base = MoeConfig::new(128, 192, 8, 2);
-    let grouped = RouterKind::SigmoidGrouped {
-        n_group: 4,
-        topk_group: 2,
-        routed_scaling_factor: 2.5,
-        renormalize: true,
-    };
-    let c = |name, cfg, tokens, route| Case {
-        name,
-        cfg,
-        tokens,
-        route,
-    };
-    vec![
-        c("swiglu_split_softmax", base, 300, Route::Ours),
-        c(
-            "geglu_interleaved_external_zero_experts",
-            base.with_activation(Activation::GeGlu)
-                .with_gate_up_layout(GateUpLayout::Interleaved)
-                .with_router(RouterKind::External),
-            257,
-            Route::ExternalLowerHalf,
-        ),
-        c(
-            "swiglu_oai_interleaved_softmax_raw",
-            base.with_activation(Activation::swiglu_oai())
-                .with_gate_up_layout(GateUpLayout::Interleaved)
-                .with_router(RouterKind::SoftmaxTopK { renormalize: false }),
-            130,
-            Route::Ours,
-        ),
-        c(
-            "bounded_swiglu_grouped_sigmoid",
-            MoeConfig::new(192, 128, 16, 4)
-                // NOTES: a clamp inside the bulk of the pre-activations (limit 1.5 with
-                // inputs of unit scale) flips for elements within bf16 rounding of the
-                // limit, where the GPU's stored h_pre and the f32 reference disagree on
-                // whether the clamp is active (zero vs full gradient): 2.2e-2 on d_gate_up
-                // in one run. 3.0 keeps the clamp active on a few percent of elements.
-                .with_activation(Activation::BoundedSwiGlu { limit: 3.0 })
-                .with_router(grouped),
-            199,
-            Route::Ours,
-        ),
-        c(
-            "relu2_top1",
-            MoeConfig::new(128, 128, 8, 1).with_activation(Activation::Relu2),
-            333,
-            Route::Ours,
-        ),
-        c(
-            "swiglu_top16_every_expert",
-            MoeConfig::new(64, 64, 16, 16),
-            40,
-            Route::Ours,
-        ),
-        c("single_token", base, 1, Route::Ours),
-    ]
-}
-
-struct Inputs {
-    w: MoeWeights,
-    x: Vec<f32>,
-    logits: Vec<f32>,
-    ids: Vec<i32>,
-    weights: Vec<f32>,
-    dy: Vec<f32>,
-}
-
-fn inputs(case: &Case, seed: u64) -> Result<Inputs, String> {
-    let cfg = &case.cfg;
-    let (t, d, i, ex, k, wdt) = (
-        case.tokens,
-        cfg.hidden,
-        cfg.intermediate,
-        cfg.experts,
-        cfg.top_k,
-        cfg.gate_up_width(),
-    );
-    let mut rng = Rng::new(seed);
-    let mut w = MoeWeights::zeros(cfg, matches!(case.route, Route::Ours));
-    w.gate_up = bf_vec(&mut rng, ex * wdt * d, 1.0 / (d as f32).sqrt() * 2.0);
-    w.down = bf_vec(&mut rng, ex * d * i, 1.0 / (i as f32).sqrt() * 2.0);
-    if let Some(r) = w.router.as_mut() {
-        *r = bf_vec(&mut rng, ex * d, 1.0);
-    }
-    if matches!(cfg.router, RouterKind::SigmoidGrouped { .. }) {
-        w.router_bias = Some(bf_vec(&mut rng, ex, 0.1));
-    }
-    let x = bf_vec(&mut rng, t * d, 1.0);
-    let logits = match &w.router {
-        Some(r) => reference::router::router_logits(cfg, r, &x).map_err(e)?,
-        None => Vec::new(),
-    };
-    // External routing: k distinct experts from the lower half, weights summing to one.
-    let (mut ids, mut weights) = (Vec::new(), Vec::new());
-    if matches!(case.route, Route::ExternalLowerHalf) {
-        for _ in 0..t {
-            let chosen = rng.distinct(ex / 2, k);
-            let raw: Vec<f32> = (0..k).map(|_| 0.1 + (rng.uniform() + 1.0) / 2.0).collect();
-            let s: f32 = raw.iter().sum();
-            ids.extend(chosen);
-            weights.extend(raw.iter().map(|v| v / s));
-        }
-    }
-    let dy = bf_vec(&mut rng, t * d, 1.0);
-    Ok(Inputs {
-        w,
-        x,
-        logits,
-        ids,
-        weights,
-        dy,
-    })
-}
 
 /// One forward + backward of `case` on the GPU against the reference.
 fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), String> {
@@ -183,7 +37,12 @@ fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), St
     let fwd = reference::forward(&cfg, &inp.w, &inp.x, routing_in).map_err(e)?;
     let grads = reference::backward(&cfg, &inp.w, &inp.x, &fwd, &inp.dy).map_err(e)?;
 
-    let mut layer = MoeLayer::new(stream, cfg, t + 17, &inp.w).map_err(e)?;
+    let Built {
+        mut layer,
+        weights: dw,
+        mut ws,
+    } = build(stream, cfg, t + 17, &inp.w, Mode::Training)?;
+    let wv = dw.view();
     let x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
     let mut y_d = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
@@ -203,8 +62,10 @@ fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), St
             }
         }
     };
-    layer.forward(&x_d, t, routing, &mut y_d).map_err(e)?;
-    let (ids, _) = layer.routing();
+    layer
+        .forward(&wv, &x_d, t, routing, &mut y_d, &mut ws)
+        .map_err(e)?;
+    let (ids, _) = layer.routing().ok_or(what("no routing in the layer"))?;
     let ids = stream.clone_dtoh(ids).map_err(e)?;
     if ids[..t * k] != fwd.routing.topk_ids[..] {
         return Err(what("routing differs from the reference"));
@@ -214,7 +75,9 @@ fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), St
 
     let mut g = layer.gradients().map_err(e)?;
     let mut dx_d = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
-    layer.backward(&dy_d, &mut dx_d, &mut g, false).map_err(e)?;
+    layer
+        .backward(&wv, &dy_d, &mut dx_d, &mut g, false, &mut ws)
+        .map_err(e)?;
     let mut dx = f32s(&stream.clone_dtoh(&dx_d).map_err(e)?);
     let d_gate_up = f32s(&stream.clone_dtoh(&g.d_gate_up).map_err(e)?);
     let d_down = f32s(&stream.clone_dtoh(&g.d_down).map_err(e)?);
@@ -269,7 +132,9 @@ fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), St
     check_close(&dx, &grads.dx, REL, &what("dx"))?;
 
     // Accumulate: a second backward adds the same weight gradients.
-    layer.backward(&dy_d, &mut dx_d, &mut g, true).map_err(e)?;
+    layer
+        .backward(&wv, &dy_d, &mut dx_d, &mut g, true, &mut ws)
+        .map_err(e)?;
     let twice = f32s(&stream.clone_dtoh(&g.d_down).map_err(e)?);
     let want: Vec<f32> = grads.d_down.iter().map(|v| 2.0 * v).collect();
     check_close(&twice, &want, REL, &what("d_down accumulated twice"))?;
@@ -286,7 +151,8 @@ fn layer_cases(ctx: &Arc<CudaContext>) -> Result<(), String> {
     Ok(())
 }
 
-/// Forward + backward captured once, replayed with new x, logits and dy: equal to eager.
+/// Forward + backward captured once, replayed with new x, logits (so new routing), dy and
+/// weights written into the caller's buffers: equal to eager bit for bit.
 fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     // A fresh handle on the device's primary context that never creates a stream of its
@@ -296,10 +162,14 @@ fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let ctx = &CudaContext::new(ctx.ordinal()).map_err(e)?;
     let stream = ctx.per_thread_stream();
     let case = &cases()[0];
-    let (t, d, ex) = (case.tokens, case.cfg.hidden, case.cfg.experts);
+    let (t, d) = (case.tokens, case.cfg.hidden);
     let seed = Rng::fresh_seed();
     let inp = inputs(case, seed)?;
-    let mut layer = MoeLayer::new(&stream, case.cfg, t, &inp.w).map_err(e)?;
+    let Built {
+        mut layer,
+        weights: mut dw,
+        mut ws,
+    } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
     let mut x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let mut l_d = stream.clone_htod(&inp.logits).map_err(e)?;
     let mut dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
@@ -309,9 +179,10 @@ fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(e)?;
+    let wv = dw.view();
     let captured = layer
-        .forward(&x_d, t, Routing::Logits(&l_d), &mut y_d)
-        .and_then(|_| layer.backward(&dy_d, &mut dx_d, &mut g, false));
+        .forward(&wv, &x_d, t, Routing::Logits(&l_d), &mut y_d, &mut ws)
+        .and_then(|_| layer.backward(&wv, &dy_d, &mut dx_d, &mut g, false, &mut ws));
     let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
     captured.map_err(|x| format!("under capture: {x}"))?;
     let graph = graph.ok_or("no graph")?;
@@ -320,24 +191,36 @@ fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
         stream.memcpy_htod(&to_bf(&inp.x), &mut x_d).map_err(e)?;
         stream.memcpy_htod(&inp.logits, &mut l_d).map_err(e)?;
         stream.memcpy_htod(&to_bf(&inp.dy), &mut dy_d).map_err(e)?;
+        // A weight update in place (the layer borrows the buffers, the graph reads them).
+        stream
+            .memcpy_htod(&to_bf(&inp.w.gate_up), &mut dw.gate_up)
+            .map_err(e)?;
+        stream
+            .memcpy_htod(&to_bf(&inp.w.down), &mut dw.down)
+            .map_err(e)?;
         graph.launch().map_err(e)?;
         let (y1, dx1, dw1) = (
             stream.clone_dtoh(&y_d).map_err(e)?,
             stream.clone_dtoh(&dx_d).map_err(e)?,
             stream.clone_dtoh(&g.d_gate_up).map_err(e)?,
         );
+        let wv = dw.view();
         layer
-            .forward(&x_d, t, Routing::Logits(&l_d), &mut y_d)
+            .forward(&wv, &x_d, t, Routing::Logits(&l_d), &mut y_d, &mut ws)
             .map_err(e)?;
-        layer.backward(&dy_d, &mut dx_d, &mut g, false).map_err(e)?;
-        let bits = |v: Vec<bf16>| v.into_iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        if bits(y1) != bits(stream.clone_dtoh(&y_d).map_err(e)?)
-            || bits(dx1) != bits(stream.clone_dtoh(&dx_d).map_err(e)?)
-            || bits(dw1) != bits(stream.clone_dtoh(&g.d_gate_up).map_err(e)?)
-        {
-            return Err(format!("replay {i} (seed {seed}) differs from eager"));
-        }
-        let _ = ex;
+        layer
+            .backward(&wv, &dy_d, &mut dx_d, &mut g, false, &mut ws)
+            .map_err(e)?;
+        let what = |m: &str| format!("replay {i} (seed {seed}): {m} differs from eager");
+        let y2 = stream.clone_dtoh(&y_d).map_err(e)?;
+        same_bits(&what("y"), &bits(&y1), &bits(&y2))?;
+        let dx2 = stream.clone_dtoh(&dx_d).map_err(e)?;
+        same_bits(&what("dx"), &bits(&dx1), &bits(&dx2))?;
+        let dw2 = stream.clone_dtoh(&g.d_gate_up).map_err(e)?;
+        same_bits(&what("d_gate_up"), &bits(&dw1), &bits(&dw2))?;
+        // The replay saw the new weights: y matches the reference of this iteration.
+        let want = reference::forward(&case.cfg, &inp.w, &inp.x, RoutingInput::Ours).map_err(e)?;
+        check_close(&f32s(&y2), &want.y, REL, &what("y vs reference"))?;
     }
     Ok(())
 }
@@ -347,53 +230,69 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     let cfg = MoeConfig::new(128, 128, 8, 2);
     let w = MoeWeights::zeros(&cfg, false);
-    match MoeLayer::new(&stream, MoeConfig::new(128, 128, 8, 9), 16, &w) {
+    match MoePlan::new(MoeConfig::new(128, 128, 8, 9), 16) {
         Err(MoeError::TopKOutOfRange { .. }) => {}
-        other => return Err(format!("top_k > experts: {:?}", other.err())),
+        other => return Err(format!("top_k > experts: {other:?}")),
     }
     let mut bad = MoeWeights::zeros(&cfg, false);
     bad.down.pop();
-    if MoeLayer::new(&stream, cfg, 16, &bad).is_ok() {
-        return Err("short down weights accepted".into());
+    match moefuse::gpu::DeviceWeights::upload(&stream, &cfg, &bad) {
+        Err(MoeError::ShapeMismatch { .. }) => {}
+        Err(other) => return Err(format!("short down weights: {other:?}")),
+        Ok(_) => return Err("short down weights accepted".into()),
     }
-    let mut layer = MoeLayer::new(&stream, cfg, 16, &w).map_err(e)?;
+    let Built {
+        mut layer,
+        weights: dw,
+        mut ws,
+    } = build(&stream, cfg, 16, &w, Mode::Training)?;
+    let wv = dw.view();
     let x = stream.alloc_zeros::<bf16>(32 * 128).map_err(e)?;
     let l = stream.alloc_zeros::<f32>(32 * 8).map_err(e)?;
     let mut y = stream.alloc_zeros::<bf16>(32 * 128).map_err(e)?;
-    match layer.forward(&x, 17, Routing::Logits(&l), &mut y) {
+    match layer.forward(&wv, &x, 17, Routing::Logits(&l), &mut y, &mut ws) {
         Err(MoeError::TokensOutOfRange { .. }) => {}
         other => return Err(format!("17 tokens on a 16-token layer: {other:?}")),
     }
     // Host routing is checked before any launch; device routing is flagged by the kernels.
     let ext_layer_cfg = cfg.with_router(RouterKind::External);
-    let mut ext = MoeLayer::new(&stream, ext_layer_cfg, 16, &w).map_err(e)?;
+    let Built {
+        layer: mut ext,
+        weights: edw,
+        ws: mut ews,
+    } = build(&stream, ext_layer_cfg, 16, &w, Mode::Training)?;
+    let ev = edw.view();
     let mut ids = vec![0i32; 16 * 2];
     for (t, pair) in ids.chunks_mut(2).enumerate() {
         pair[0] = (t % 8) as i32;
         pair[1] = ((t + 1) % 8) as i32;
     }
-    let ws = vec![0.5f32; 16 * 2];
+    let hw = vec![0.5f32; 16 * 2];
     ext.forward(
+        &ev,
         &x,
         16,
         Routing::Host {
             topk_ids: &ids,
-            topk_weights: &ws,
+            topk_weights: &hw,
         },
         &mut y,
+        &mut ews,
     )
     .map_err(e)?;
     ext.take_routing_errors().map_err(e)?;
     let mut bad = ids.clone();
     bad[5] = 8;
     match ext.forward(
+        &ev,
         &x,
         16,
         Routing::Host {
             topk_ids: &bad,
-            topk_weights: &ws,
+            topk_weights: &hw,
         },
         &mut y,
+        &mut ews,
     ) {
         Err(MoeError::ExpertIdOutOfRange { .. }) => {}
         other => return Err(format!("host id 8 of 8 experts: {other:?}")),
@@ -401,20 +300,23 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let mut dup = ids.clone();
     dup[1] = dup[0];
     match ext.forward(
+        &ev,
         &x,
         16,
         Routing::Host {
             topk_ids: &dup,
-            topk_weights: &ws,
+            topk_weights: &hw,
         },
         &mut y,
+        &mut ews,
     ) {
         Err(MoeError::DuplicateExpert { .. }) => {}
         other => return Err(format!("host duplicate expert: {other:?}")),
     }
     let bad_d = stream.clone_htod(&bad).map_err(e)?;
-    let ws_d = stream.clone_htod(&ws).map_err(e)?;
+    let ws_d = stream.clone_htod(&hw).map_err(e)?;
     ext.forward(
+        &ev,
         &x,
         16,
         Routing::External {
@@ -422,6 +324,7 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
             topk_weights: &ws_d,
         },
         &mut y,
+        &mut ews,
     )
     .map_err(e)?;
     match ext.take_routing_errors() {
@@ -433,9 +336,32 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
     ext.take_routing_errors()
         .map_err(|x| format!("flags not cleared: {x}"))?;
     let short = stream.alloc_zeros::<bf16>(10).map_err(e)?;
-    match layer.forward(&short, 16, Routing::Logits(&l), &mut y) {
+    match layer.forward(&wv, &short, 16, Routing::Logits(&l), &mut y, &mut ws) {
         Err(MoeError::BufferTooSmall { .. }) => {}
         other => return Err(format!("short x: {other:?}")),
+    }
+    // The new entry points: short weight views, a bias the router does not take, a
+    // workspace smaller than the plan asks.
+    let short_w = Weights::new(dw.gate_up.slice(..10), dw.down.as_view());
+    match layer.forward(&short_w, &x, 16, Routing::Logits(&l), &mut y, &mut ws) {
+        Err(MoeError::ShapeMismatch {
+            what: "gate_up [E, W, D]",
+            found: 10,
+            ..
+        }) => {}
+        other => return Err(format!("short gate_up view: {other:?}")),
+    }
+    let bias = stream.alloc_zeros::<f32>(8).map_err(e)?;
+    let biased =
+        Weights::new(dw.gate_up.as_view(), dw.down.as_view()).with_router_bias(bias.as_view());
+    match layer.forward(&biased, &x, 16, Routing::Logits(&l), &mut y, &mut ws) {
+        Err(MoeError::UnexpectedRouterBias) => {}
+        other => return Err(format!("bias with a softmax router: {other:?}")),
+    }
+    let mut small = MoeWorkspace::new(&stream, 10).map_err(e)?;
+    match layer.forward(&wv, &x, 16, Routing::Logits(&l), &mut y, &mut small) {
+        Err(MoeError::WorkspaceTooSmall { got: 10, needed }) if needed == ws.bytes() => {}
+        other => return Err(format!("10-byte workspace: {other:?}")),
     }
     Ok(())
 }
@@ -447,7 +373,12 @@ fn failed_forward_leaves_no_state(ctx: &Arc<CudaContext>) -> Result<(), String> 
     let case = &cases()[0];
     let (t, d) = (case.tokens, case.cfg.hidden);
     let inp = inputs(case, 11)?;
-    let mut layer = MoeLayer::new(&stream, case.cfg, t, &inp.w).map_err(e)?;
+    let Built {
+        mut layer,
+        weights: dw,
+        mut ws,
+    } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
+    let wv = dw.view();
     let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let l = stream.clone_htod(&inp.logits).map_err(e)?;
     let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
@@ -455,22 +386,26 @@ fn failed_forward_leaves_no_state(ctx: &Arc<CudaContext>) -> Result<(), String> 
     let mut dx = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
     let mut g = layer.gradients().map_err(e)?;
     layer
-        .forward(&x, t, Routing::Logits(&l), &mut y)
+        .forward(&wv, &x, t, Routing::Logits(&l), &mut y, &mut ws)
         .map_err(e)?;
-    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    layer
+        .backward(&wv, &dy, &mut dx, &mut g, false, &mut ws)
+        .map_err(e)?;
     let mut short = stream.alloc_zeros::<bf16>(t * d - 1).map_err(e)?;
-    match layer.forward(&x, t, Routing::Logits(&l), &mut short) {
+    match layer.forward(&wv, &x, t, Routing::Logits(&l), &mut short, &mut ws) {
         Err(MoeError::BufferTooSmall { .. }) => {}
         other => return Err(format!("short y: {other:?}")),
     }
-    match layer.backward(&dy, &mut dx, &mut g, false) {
+    match layer.backward(&wv, &dy, &mut dx, &mut g, false, &mut ws) {
         Err(MoeError::NoForward) => {}
         other => return Err(format!("backward after a failed forward: {other:?}")),
     }
     layer
-        .forward(&x, t, Routing::Logits(&l), &mut y)
+        .forward(&wv, &x, t, Routing::Logits(&l), &mut y, &mut ws)
         .map_err(e)?;
-    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    layer
+        .backward(&wv, &dy, &mut dx, &mut g, false, &mut ws)
+        .map_err(e)?;
     layer.take_routing_errors().map_err(e)
 }
 
@@ -490,7 +425,12 @@ fn stale_graph_state_is_flagged(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let (a, d) = (case.tokens, case.cfg.hidden);
     let b = a / 2;
     let inp = inputs(case, 23)?;
-    let mut layer = MoeLayer::new(&stream, case.cfg, a, &inp.w).map_err(e)?;
+    let Built {
+        mut layer,
+        weights: dw,
+        mut ws,
+    } = build(&stream, case.cfg, a, &inp.w, Mode::Training)?;
+    let wv = dw.view();
     let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let l = stream.clone_htod(&inp.logits).map_err(e)?;
     let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
@@ -500,15 +440,17 @@ fn stale_graph_state_is_flagged(ctx: &Arc<CudaContext>) -> Result<(), String> {
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(e)?;
-    let captured = layer.forward(&x, a, Routing::Logits(&l), &mut y);
+    let captured = layer.forward(&wv, &x, a, Routing::Logits(&l), &mut y, &mut ws);
     let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
     captured.map_err(|x| format!("under capture: {x}"))?;
     let graph = graph.ok_or("no graph")?;
     layer
-        .forward(&x, b, Routing::Logits(&l), &mut y)
+        .forward(&wv, &x, b, Routing::Logits(&l), &mut y, &mut ws)
         .map_err(e)?;
     graph.launch().map_err(e)?;
-    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    layer
+        .backward(&wv, &dy, &mut dx, &mut g, false, &mut ws)
+        .map_err(e)?;
     match layer.take_routing_errors() {
         Err(MoeError::InvalidDeviceRouting {
             stale_forward: true,
@@ -533,9 +475,11 @@ fn stale_graph_state_is_flagged(ctx: &Arc<CudaContext>) -> Result<(), String> {
         ));
     }
     layer
-        .forward(&x, b, Routing::Logits(&l), &mut y)
+        .forward(&wv, &x, b, Routing::Logits(&l), &mut y, &mut ws)
         .map_err(e)?;
-    layer.backward(&dy, &mut dx, &mut g, false).map_err(e)?;
+    layer
+        .backward(&wv, &dy, &mut dx, &mut g, false, &mut ws)
+        .map_err(e)?;
     layer
         .take_routing_errors()
         .map_err(|x| format!("consistent forward + backward flagged: {x}"))
@@ -549,7 +493,12 @@ fn rejects_foreign_device(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let cfg = MoeConfig::new(128, 128, 8, 2);
     let t = 16;
     let w = MoeWeights::zeros(&cfg, false);
-    let mut layer = MoeLayer::new(&s0, cfg, t, &w).map_err(e)?;
+    let Built {
+        mut layer,
+        weights: dw,
+        mut ws,
+    } = build(&s0, cfg, t, &w, Mode::Training)?;
+    let wv = dw.view();
     let x0 = s0.alloc_zeros::<bf16>(t * 128).map_err(e)?;
     let x1 = s1.alloc_zeros::<bf16>(t * 128).map_err(e)?;
     let l0 = s0.alloc_zeros::<f32>(t * 8).map_err(e)?;
@@ -565,36 +514,41 @@ fn rejects_foreign_device(ctx: &Arc<CudaContext>) -> Result<(), String> {
         other => Err(format!("{want} on device 1: {other:?}")),
     };
     mismatch(
-        layer.forward(&x1, t, Routing::Logits(&l0), &mut y0),
+        layer.forward(&wv, &x1, t, Routing::Logits(&l0), &mut y0, &mut ws),
         "x [T, D]",
     )?;
     mismatch(
-        layer.forward(&x0, t, Routing::Logits(&l0), &mut y1),
+        layer.forward(&wv, &x0, t, Routing::Logits(&l0), &mut y1, &mut ws),
         "y [T, D]",
     )?;
     mismatch(
-        layer.forward(&x0, t, Routing::Logits(&l1), &mut y0),
+        layer.forward(&wv, &x0, t, Routing::Logits(&l1), &mut y0, &mut ws),
         "logits [T, E]",
     )?;
-    let gate_up = s1
+    let gate_up1 = s1
         .alloc_zeros::<bf16>(8 * cfg.gate_up_width() * 128)
         .map_err(e)?;
-    let down = s0.alloc_zeros::<bf16>(8 * 128 * 128).map_err(e)?;
-    match MoeLayer::with_device_weights(&s0, cfg, t, gate_up, down, None) {
-        Err(MoeError::DeviceMismatch {
-            what: "gate_up [E, W, D]",
-            ..
-        }) => {}
-        Err(other) => return Err(format!("gate_up on device 1: {other:?}")),
-        Ok(_) => return Err("gate_up on device 1 accepted".into()),
-    }
+    let foreign = Weights::new(gate_up1.as_view(), dw.down.as_view());
+    mismatch(
+        layer.forward(&foreign, &x0, t, Routing::Logits(&l0), &mut y0, &mut ws),
+        "gate_up [E, W, D]",
+    )?;
+    let plan = MoePlan::new(cfg, t).map_err(e)?;
+    let mut ws1 = MoeWorkspace::new(&s1, plan.workspace_bytes(Mode::Training)).map_err(e)?;
+    mismatch(
+        layer.forward(&wv, &x0, t, Routing::Logits(&l0), &mut y0, &mut ws1),
+        "workspace",
+    )?;
     layer
-        .forward(&x0, t, Routing::Logits(&l0), &mut y0)
+        .forward(&wv, &x0, t, Routing::Logits(&l0), &mut y0, &mut ws)
         .map_err(e)?;
     let dy1 = s1.alloc_zeros::<bf16>(t * 128).map_err(e)?;
     let mut dx0 = s0.alloc_zeros::<bf16>(t * 128).map_err(e)?;
     let mut g = layer.gradients().map_err(e)?;
-    mismatch(layer.backward(&dy1, &mut dx0, &mut g, false), "dy [T, D]")?;
+    mismatch(
+        layer.backward(&wv, &dy1, &mut dx0, &mut g, false, &mut ws),
+        "dy [T, D]",
+    )?;
     let row_of = s0.alloc_zeros::<i32>(t * 2).map_err(e)?;
     let mut errors = moefuse::gpu::DeviceErrors::new(&s0).map_err(e)?;
     let y_e1 = s1.alloc_zeros::<bf16>(t * 2 * 128).map_err(e)?;

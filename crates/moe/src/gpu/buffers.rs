@@ -108,6 +108,16 @@ impl PermuteBuffers {
         Ok((rows, ws_bytes.div_ceil(4).max(1)))
     }
 
+    /// Bytes of device memory the buffers hold.
+    pub(crate) fn device_bytes(&self) -> usize {
+        4 * (self.counts.len()
+            + self.offsets.len()
+            + self.row_of.len()
+            + self.source_of.len()
+            + self.errors.words.len()
+            + self.workspace.len())
+    }
+
     /// Checks every buffer against the shape it was made for (length, and the context of
     /// `stream`): the last check before a launch writes through them.
     pub(super) fn check(&self, stream: &CudaStream) -> Result<(), MoeError> {

@@ -13,7 +13,10 @@
 //!    outputs back to tokens with the routing weights in fp32; [`combine_backward`] gives
 //!    the weighted upstream rows and `d_topk_weights`.
 //! 4. [`MoeLayer`] is the whole layer, forward and backward, from these and the grouped
-//!    GEMMs of `moefuse-grouped-gemm`.
+//!    GEMMs of `moefuse-grouped-gemm`, as plan → run: a host-only [`MoePlan`] validates and
+//!    sizes everything once, a layer binds it to a stream in a [`Mode`] (Inference keeps
+//!    nothing for a backward), each call borrows the caller's [`Weights`] and a
+//!    [`MoeWorkspace`] that every layer on the stream shares.
 //!
 //! Every call checks sizes, buffer lengths and devices (every buffer's context is the
 //! stream's) before anything is launched and returns a [`MoeError`] naming what is wrong;
@@ -53,7 +56,9 @@ mod router;
 pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
 pub use buffers::PermuteBuffers;
 pub use errors::DeviceErrors;
-pub use layer::{Gradients, MoeLayer, Routing};
+pub use layer::{
+    DeviceWeights, Gradients, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
+};
 pub use permute::{combine, combine_backward, permute};
 pub use router::{route, route_backward};
 

@@ -41,6 +41,7 @@ where
     X: DevicePtr<bf16>,
 {
     let x = x.map(|x| x as &dyn DevicePtr<bf16>);
+    let x_perm = x_perm.map(|p| p as &mut dyn DevicePtrMut<bf16>);
     permute_with(
         None, stream, tokens, experts, top_k, hidden, topk_ids, x, bufs, x_perm,
     )
@@ -58,7 +59,7 @@ pub(super) fn permute_with(
     topk_ids: &CudaSlice<i32>,
     x: Option<&dyn DevicePtr<bf16>>,
     bufs: &mut PermuteBuffers,
-    x_perm: Option<&mut CudaSlice<bf16>>,
+    x_perm: Option<&mut dyn DevicePtrMut<bf16>>,
 ) -> Result<(), MoeError> {
     check_max("tokens", tokens, bufs.max_tokens())?;
     if (experts, top_k) != (bufs.experts(), bufs.top_k()) {
@@ -83,7 +84,7 @@ pub(super) fn permute_with(
             check_buffer("x [T, D]", x, elems("x [T, D]", &[tokens, hidden])?, stream)?;
             let n = elems("x_perm [T*k, D]", &[pairs, hidden])?;
             check_buffer("x_perm [T*k, D]", xp, n, stream)?;
-            (Some(x), Some(xp as &mut dyn DevicePtrMut<bf16>))
+            (Some(x), Some(&mut *xp as &mut dyn DevicePtrMut<bf16>))
         }
         (None, None) => (None, None),
         _ => {

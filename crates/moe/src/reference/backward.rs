@@ -4,9 +4,10 @@
 //! accumulated in f64 and the outputs are rounded once to f32.
 
 use super::activation::backward_row;
-use super::layer::{ForwardOutput, MoeWeights};
+use super::layer::ForwardOutput;
 use super::permute::permutation;
-use super::router::{dot, expect_len, route_backward_f64, rows_of};
+use super::router::{dot, route_backward_f64, rows_of};
+use crate::model::{expect_len, MoeWeights};
 use crate::{MoeConfig, MoeError};
 use rayon::prelude::*;
 
@@ -72,7 +73,7 @@ impl Gradients {
 /// output. See [`Gradients`] for what each holds; routing selection is held constant.
 ///
 /// ```
-/// use moefuse::{reference::{backward, forward, MoeWeights, RoutingInput}, MoeConfig, RouterKind};
+/// use moefuse::{model::MoeWeights, reference::{backward, forward, RoutingInput}, MoeConfig, RouterKind};
 /// let cfg = MoeConfig::new(64, 64, 2, 1).with_router(RouterKind::External);
 /// let w = MoeWeights::zeros(&cfg, false);
 /// let x = vec![1.0f32; 64];
@@ -106,7 +107,7 @@ pub fn backward(
 /// (`d_logits` and `d_router` become `None` when the routing was external).
 ///
 /// ```
-/// use moefuse::{reference::{backward_into, forward, Gradients, MoeWeights, RoutingInput}, Activation, MoeConfig, RouterKind};
+/// use moefuse::{model::MoeWeights, reference::{backward_into, forward, Gradients, RoutingInput}, Activation, MoeConfig, RouterKind};
 /// let cfg = MoeConfig::new(64, 64, 1, 1).with_activation(Activation::Relu2).with_router(RouterKind::External);
 /// let mut w = MoeWeights::zeros(&cfg, false);
 /// w.gate_up[0] = 1.0;

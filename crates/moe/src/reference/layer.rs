@@ -1,97 +1,11 @@
-//! The layer's weights and its forward pass.
+//! The layer's forward pass.
 
 use super::activation::forward_row;
 use super::permute::{permutation, Permutation};
-use super::router::{check_routing, dot, expect_len, route, router_logits, rows_of, Routing};
+use super::router::{dot, route, router_logits, rows_of, Routing};
+use crate::model::{check_routing, expect_len, MoeWeights};
 use crate::{MoeConfig, MoeError};
 use rayon::prelude::*;
-
-/// The layer's parameters, f32, row-major. With `D = hidden`, `I = intermediate`,
-/// `E = experts` and `W = gate_up_width()` (`2I` gated, `I` for `Relu2`):
-///
-/// * `router`: `[E, D]`, `logits[t, e] = Σ_d x[t, d]·router[e, d]` (`logits = x·routerᵀ`).
-///   Needed when the layer routes ([`RoutingInput::Ours`]).
-/// * `router_bias`: `[E]`, the `SigmoidGrouped` selection bias (no gradient); `None` = zeros.
-/// * `gate_up`: `[E, W, D]`, expert `e`'s projection is the `[W, D]` block at `e·W·D`
-///   ("N×K", output-major): `h_pre[w] = Σ_d x[d]·gate_up[e, w, d]` (`h_pre = x·gate_up[e]ᵀ`).
-///   Column order of `W` per [`GateUpLayout`](crate::GateUpLayout).
-/// * `down`: `[E, D, I]`, `y_e[d] = Σ_i h[i]·down[e, d, i]` (`y_e = h·down[e]ᵀ`).
-///
-/// ```
-/// use moefuse::{reference::MoeWeights, MoeConfig};
-/// let cfg = MoeConfig::new(64, 128, 4, 2);
-/// let w = MoeWeights::zeros(&cfg, true);
-/// assert_eq!(w.gate_up.len(), 4 * 256 * 64);
-/// assert_eq!(w.down.len(), 4 * 64 * 128);
-/// assert!(w.validate(&cfg).is_ok());
-/// ```
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeWeights {
-    /// `[E, D]` router matrix, if the layer routes itself.
-    pub router: Option<Vec<f32>>,
-    /// `[E]` selection bias of the `SigmoidGrouped` router.
-    pub router_bias: Option<Vec<f32>>,
-    /// `[E, W, D]` gate_up projections.
-    pub gate_up: Vec<f32>,
-    /// `[E, D, I]` down projections.
-    pub down: Vec<f32>,
-}
-
-impl MoeWeights {
-    /// All-zero weights of `config`'s shapes; a zero router when `with_router`, no bias.
-    ///
-    /// ```
-    /// let w = moefuse::reference::MoeWeights::zeros(&moefuse::MoeConfig::new(64, 64, 2, 1), false);
-    /// assert!(w.router.is_none());
-    /// ```
-    pub fn zeros(config: &MoeConfig, with_router: bool) -> Self {
-        let (d, i, e, w) = (
-            config.hidden,
-            config.intermediate,
-            config.experts,
-            config.gate_up_width(),
-        );
-        MoeWeights {
-            router: with_router.then(|| vec![0.0; e * d]),
-            router_bias: None,
-            gate_up: vec![0.0; e * w * d],
-            down: vec![0.0; e * d * i],
-        }
-    }
-
-    /// Checks every present tensor's length against `config`.
-    ///
-    /// ```
-    /// let cfg = moefuse::MoeConfig::new(64, 64, 2, 1);
-    /// let mut w = moefuse::reference::MoeWeights::zeros(&cfg, false);
-    /// w.down.pop();
-    /// assert!(w.validate(&cfg).is_err());
-    /// ```
-    pub fn validate(&self, config: &MoeConfig) -> Result<(), MoeError> {
-        let (d, i, e, w) = (
-            config.hidden,
-            config.intermediate,
-            config.experts,
-            config.gate_up_width(),
-        );
-        if let Some(r) = &self.router {
-            expect_len("router [experts, hidden]", e * d, r.len())?;
-        }
-        if let Some(b) = &self.router_bias {
-            expect_len("router_bias [experts]", e, b.len())?;
-        }
-        expect_len(
-            "gate_up [experts, gate_up_width, hidden]",
-            e * w * d,
-            self.gate_up.len(),
-        )?;
-        expect_len(
-            "down [experts, hidden, intermediate]",
-            e * d * i,
-            self.down.len(),
-        )
-    }
-}
 
 /// Where the forward pass's routing comes from.
 ///
@@ -120,7 +34,7 @@ pub enum RoutingInput<'a> {
 /// The forward pass's output `y` and everything the backward pass reads.
 ///
 /// ```
-/// use moefuse::{reference::{forward, MoeWeights, RoutingInput}, MoeConfig, RouterKind};
+/// use moefuse::{model::MoeWeights, reference::{forward, RoutingInput}, MoeConfig, RouterKind};
 /// let cfg = MoeConfig::new(64, 64, 2, 1).with_router(RouterKind::External);
 /// let out = forward(&cfg, &MoeWeights::zeros(&cfg, false), &[1.0; 64],
 ///     RoutingInput::External { topk_ids: &[1], topk_weights: &[1.0] })?;
@@ -149,7 +63,7 @@ impl ForwardOutput {
     /// The token count `T`.
     ///
     /// ```
-    /// # use moefuse::{reference::{forward, MoeWeights, RoutingInput}, MoeConfig, RouterKind};
+    /// # use moefuse::{model::MoeWeights, reference::{forward, RoutingInput}, MoeConfig, RouterKind};
     /// # let cfg = MoeConfig::new(64, 64, 2, 1).with_router(RouterKind::External);
     /// let out = forward(&cfg, &MoeWeights::zeros(&cfg, false), &[0.0; 128],
     ///     RoutingInput::External { topk_ids: &[1, 0], topk_weights: &[1.0, 1.0] })?;
@@ -174,7 +88,7 @@ impl ForwardOutput {
 /// Every shape and the routing are checked before anything is computed.
 ///
 /// ```
-/// use moefuse::{reference::{forward, MoeWeights, RoutingInput}, Activation, MoeConfig, RouterKind};
+/// use moefuse::{model::MoeWeights, reference::{forward, RoutingInput}, Activation, MoeConfig, RouterKind};
 /// let cfg = MoeConfig::new(64, 64, 2, 1).with_activation(Activation::Relu2).with_router(RouterKind::External);
 /// let mut w = MoeWeights::zeros(&cfg, false);
 /// w.gate_up[64 * 64] = 1.0;          // expert 1: h_pre[0] = x[0]

@@ -1,13 +1,14 @@
 //! The CPU reference of the MoE layer, f32 in and out, sums in f64, parallel with rayon:
 //! the semantics every GPU kernel is tested against.
 //!
-//! * [`router`]: [`router_logits`], [`route`], [`route_backward`], [`check_routing`].
+//! * [`router`]: [`router_logits`], [`route`], [`route_backward`] (the routing checks and the
+//!   weights live in [`model`](crate::model), shared with the GPU layer).
 //! * [`permute`]: the expert-major [`Permutation`] of routed (token, slot) pairs.
 //! * [`activation`]: scalar and row forms of each [`Activation`](crate::Activation).
 //! * [`forward`] and [`backward`] / [`backward_into`] of the whole layer.
 //!
 //! ```
-//! use moefuse::{reference::{backward, forward, MoeWeights, RoutingInput}, MoeConfig};
+//! use moefuse::{model::MoeWeights, reference::{backward, forward, RoutingInput}, MoeConfig};
 //! let cfg = MoeConfig::new(64, 64, 4, 2);                  // softmax top-2 router
 //! let mut w = MoeWeights::zeros(&cfg, true);
 //! w.router.as_mut().unwrap()[64] = 1.0;                     // expert 1 likes x[0]
@@ -26,6 +27,6 @@ pub mod permute;
 pub mod router;
 
 pub use backward::{backward, backward_into, Gradients};
-pub use layer::{forward, ForwardOutput, MoeWeights, RoutingInput};
+pub use layer::{forward, ForwardOutput, RoutingInput};
 pub use permute::{permutation, Permutation};
-pub use router::{check_routing, route, route_backward, router_logits, Routing};
+pub use router::{route, route_backward, router_logits, Routing};

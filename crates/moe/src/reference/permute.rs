@@ -1,6 +1,6 @@
 //! The expert-major permutation of routed (token, slot) pairs that the grouped GEMMs run on.
 
-use super::router::check_routing;
+use crate::model::check_routing;
 use crate::MoeError;
 use std::ops::Range;
 

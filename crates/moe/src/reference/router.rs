@@ -11,6 +11,7 @@
 //! and the same formulas.
 
 use super::activation::sigmoid;
+use crate::model::{check_routing, expect_len};
 use crate::{MoeConfig, MoeError, RouterKind};
 use rayon::prelude::*;
 
@@ -42,47 +43,6 @@ impl Routing {
     pub fn tokens(&self) -> usize {
         self.topk_ids.len() / self.top_k.max(1)
     }
-}
-
-/// Checks routing ids `[T, k]`: every id in `0..experts`, no expert twice in a token.
-///
-/// ```
-/// use moefuse::{reference::check_routing, MoeError};
-/// assert!(check_routing(&[0, 1, 1, 0], 2, 2).is_ok());
-/// assert_eq!(
-///     check_routing(&[0, 1, 1, 1], 2, 2),
-///     Err(MoeError::DuplicateExpert { token: 1, first_slot: 0, slot: 1, id: 1 })
-/// );
-/// ```
-pub fn check_routing(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<(), MoeError> {
-    if top_k == 0 || topk_ids.len() % top_k != 0 {
-        return Err(MoeError::NotAMultiple {
-            what: "topk_ids [tokens, top_k]",
-            len: topk_ids.len(),
-            multiple: top_k,
-        });
-    }
-    for (token, ids) in topk_ids.chunks(top_k).enumerate() {
-        for (slot, &id) in ids.iter().enumerate() {
-            if id < 0 || id as usize >= experts {
-                return Err(MoeError::ExpertIdOutOfRange {
-                    token,
-                    slot,
-                    id,
-                    experts,
-                });
-            }
-            if let Some(first_slot) = ids[..slot].iter().position(|&o| o == id) {
-                return Err(MoeError::DuplicateExpert {
-                    token,
-                    first_slot,
-                    slot,
-                    id,
-                });
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Router logits `[T, E] = x [T, D] · routerᵀ` (`router` is `[E, D]` row-major), accumulated
@@ -424,23 +384,6 @@ pub(crate) fn rows_of(what: &'static str, len: usize, row: usize) -> Result<usiz
         });
     }
     Ok(len / row)
-}
-
-/// `found == expected`, or a [`MoeError::ShapeMismatch`] naming `what`.
-pub(crate) fn expect_len(
-    what: &'static str,
-    expected: usize,
-    found: usize,
-) -> Result<(), MoeError> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(MoeError::ShapeMismatch {
-            what,
-            expected,
-            found,
-        })
-    }
 }
 
 /// Every element finite, or a [`MoeError::NonFinite`] naming the first that is not.

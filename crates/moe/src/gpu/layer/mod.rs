@@ -1,26 +1,44 @@
-//! The whole MoE layer on one GPU: [`MoeLayer::forward`] and [`MoeLayer::backward`] on a
-//! caller's stream, built from the grouped GEMMs of `moefuse-grouped-gemm` and this crate's
-//! router, permutation, activation and combine kernels.
+//! The whole MoE layer on one GPU, as plan → run over stages:
 //!
-//! Forward (rows R = tokens · top_k, expert-major):
-//! 1. routing: [`route`](super::route) from the caller's router logits `[T, E]` (fp32), or
+//! 1. [`MoePlan::new`] validates the config and the token bound once and sizes every
+//!    buffer, on the host (no device, no allocation).
+//! 2. [`MoeLayer::new`] binds a plan to a stream in a [`Mode`]: it chooses the grouped GEMMs'
+//!    variants, binds the one kernel handle every launch goes through, and allocates what
+//!    the mode keeps ([`MoeLayer::memory`] reports it). The weights are not the layer's:
+//!    each call borrows them as [`Weights`] views of buffers the caller owns and updates.
+//! 3. [`MoeWorkspace`] is the caller's scratch of [`MoePlan::workspace_bytes`], shared by
+//!    every layer on the stream.
+//! 4. [`MoeLayer::forward`] and [`MoeLayer::backward`] check everything host-knowable, then
+//!    run their stages; with profiling on ([`MoeLayer::set_profiling`]) an event follows
+//!    each stage ([`MoeLayer::stage_times`]).
+//!
+//! Forward stages (rows R = T·k, expert-major):
+//! 1. `route`: [`route`](super::route) from the caller's router logits `[T, E]` (fp32), or
 //!    the caller's `topk_ids`/`topk_weights`;
-//! 2. [`permute`](super::permute): per-expert offsets, `row_of`, and `x_perm [R, D]`
-//!    gathered from `x`;
-//! 3. gate_up grouped GEMM: `h_pre [R, W] = x_perm · gate_upᵀ` per expert;
-//! 4. activation: `h [R, I]`;
-//! 5. down grouped GEMM: `y_e [R, D] = h · downᵀ`;
-//! 6. [`combine`](super::combine): `y[t] = Σ_slot w · y_e[row]` in fp32 (deterministic).
+//! 2. `permute+gather`: [`permute`](super::permute): per-expert offsets, `row_of`, and
+//!    `x_perm [R, D]` gathered from `x`;
+//! 3. `gate_up gemm`: `h_pre [R, W] = x_perm · gate_upᵀ` per expert;
+//! 4. `activation`: `h [R, I]`;
+//! 5. `down gemm`: `y_e [R, D] = h · downᵀ`;
+//! 6. `combine`: `y[t] = Σ_slot w · y_e[row]` in fp32 (deterministic).
 //!
-//! Backward: [`combine_backward`](super::combine_backward) gives `dy_perm = w · dy[t]` and
-//! `d_topk_weights = ⟨dy[t], y_e[row]⟩`; down dgrad `dh`, down wgrad `d_down`; the
-//! activation backward recomputes the activation from the stored `h_pre`; gate_up dgrad
-//! `dx_perm` and wgrad `d_gate_up`; `dx` is the unweighted combine of `dx_perm`; with our
-//! router, [`route_backward`](super::route_backward) gives `d_logits`.
+//! Backward stages: `combine bwd` gives `dy_perm = w · dy[t]` and
+//! `d_topk_weights = ⟨dy[t], y_e[row]⟩`; `down dgrad` (`dh`), `down wgrad` (`d_down`);
+//! `activation bwd` recomputes the activation from the saved `h_pre`; `gate_up dgrad`
+//! (`dx_perm`) and `gate_up wgrad` (`d_gate_up`); `dx combine` is the unweighted combine of
+//! `dx_perm`; with our router, `router bwd` gives `d_logits`.
+//!
+//! Modes ([`LayerMemory`] has the table and the bytes): an Inference layer keeps no
+//! backward state — its forward's `x_perm`, `h_pre`, `h`, `y_e` live in the workspace
+//! (`x_perm`/`h` and `h_pre`/`y_e` share a region each), the caller's device routing is
+//! read in place, and `backward` returns [`MoeError::NotTraining`]. A Training layer keeps
+//! those four intermediates, the routing and (when it routed) the logits; its backward's
+//! scratch lives in the workspace. Both modes run the same kernels on the same values: an
+//! Inference forward's `y` equals a Training forward's bit for bit.
 //!
 //! Nothing synchronises with the host: the whole forward and the whole backward can be
-//! captured in one CUDA graph each and replayed with new inputs and routing (the token
-//! count is fixed per capture).
+//! captured in one CUDA graph each and replayed with new inputs, routing and weights in
+//! the same buffers (the token count is fixed per capture).
 //!
 //! State: a backward uses the state of the last forward that returned `Ok`; a forward that
 //! returns an error (whatever the stage) leaves none, and `backward` returns
@@ -31,23 +49,41 @@
 //! after an eager forward of another) zeroes `d_topk_weights` and `dx` and raises the stale
 //! bit that [`MoeLayer::take_routing_errors`] reports.
 //!
-//! Devices: every buffer a call takes (x, y, logits, routing, dy, dx, the gradients, and the
-//! weights given to [`MoeLayer::with_device_weights`]) must live in the layer's stream's
-//! context, else [`MoeError::DeviceMismatch`] before anything is launched. The router's
-//! gate matrix (`logits = x · Wrᵀ`) stays with the caller: the layer takes logits and
-//! returns `d_logits`.
-//!
-//! Kernels: the layer launches everything through one `moefuse_kernels::Kernels` handle,
-//! its grouped GEMM's, bound (ABI and architecture checked) once in
-//! [`MoeLayer::with_device_weights`]. The forward and backward passes live in `passes`.
+//! Devices: every buffer a call takes (x, y, logits, routing, dy, dx, the gradients, the
+//! weights and the workspace) must live in the layer's stream's context, else
+//! [`MoeError::DeviceMismatch`] before anything is launched. The router's gate matrix
+//! (`logits = x · Wrᵀ`) stays with the caller: the layer takes logits and returns
+//! `d_logits`.
+
+/// The stage context of a layer, from its fields (so the other fields stay free to borrow).
+macro_rules! cx {
+    ($layer:expr) => {
+        $crate::gpu::layer::stages::Cx {
+            plan: &$layer.plan,
+            stream: &$layer.stream,
+            gemm: &$layer.gemm,
+            act: &$layer.act,
+        }
+    };
+}
 
 mod passes;
+mod plan;
+mod profile;
+mod stages;
+mod weights;
+mod workspace;
 
-use super::{check_device, ActivationDesc, PermuteBuffers};
-use crate::{reference::MoeWeights, MoeConfig, MoeError};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+pub use plan::{LayerMemory, Mode, MoePlan};
+pub use weights::{DeviceWeights, Weights};
+pub use workspace::MoeWorkspace;
+
+use super::{ActivationDesc, PermuteBuffers};
+use crate::MoeError;
+use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
+use profile::Profile;
 use std::sync::Arc;
 
 /// How a forward call is routed.
@@ -64,8 +100,9 @@ pub enum Routing<'a> {
         topk_weights: &'a [f32],
     },
     /// The caller's `topk_ids [T, k]` (int32) and `topk_weights [T, k]` (fp32) on the
-    /// device. They cannot be checked before the launch without a host synchronisation:
-    /// the permutation skips out-of-range ids and flags them, and
+    /// device: copied by a Training layer (its backward reads them), read in place by an
+    /// Inference one. They cannot be checked before the launch without a host
+    /// synchronisation: the permutation skips out-of-range ids and flags them, and
     /// [`MoeLayer::take_routing_errors`] reports them.
     External {
         /// Expert ids.
@@ -87,9 +124,14 @@ pub struct Gradients {
     pub d_logits: CudaSlice<f32>,
 }
 
-struct Plans {
+/// The grouped GEMM plans: the forward's always, the backward's in Training.
+struct GemmPlans {
     gate_up: GroupedPlan,
     down: GroupedPlan,
+    backward: Option<BackwardPlans>,
+}
+
+struct BackwardPlans {
     down_dgrad: GroupedPlan,
     gate_up_dgrad: GroupedPlan,
     /// [beta = 0, beta = 1] (accumulate).
@@ -97,269 +139,322 @@ struct Plans {
     gate_up_wgrad: [GroupedPlan; 2],
 }
 
-/// Everything the forward keeps for the backward, sized for `max_tokens`.
-struct Saved {
-    tokens: usize,
-    routed: bool,
-    ids: CudaSlice<i32>,
-    weights: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
-    perm: PermuteBuffers,
-    x_perm: CudaSlice<bf16>,
-    h_pre: CudaSlice<bf16>,
-    h: CudaSlice<bf16>,
-    y_e: CudaSlice<bf16>,
-}
-
-/// Backward scratch.
-struct Scratch {
-    dy_perm: CudaSlice<bf16>,
-    dh: CudaSlice<bf16>,
-    d_h_pre: CudaSlice<bf16>,
-    dx_perm: CudaSlice<bf16>,
-    workspace: CudaSlice<u8>,
-}
-
-/// An MoE layer with its expert weights on one GPU (see the module docs).
-///
-/// ```no_run
-/// use moefuse::{gpu::{MoeLayer, Routing}, reference::MoeWeights, MoeConfig};
-/// let ctx = cudarc::driver::CudaContext::new(0)?;
-/// let stream = ctx.new_stream()?;
-/// let cfg = MoeConfig::new(2048, 768, 128, 8);
-/// let mut layer = MoeLayer::new(&stream, cfg, 8192, &MoeWeights::zeros(&cfg, false))?;
-/// let x = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
-/// let logits = stream.alloc_zeros::<f32>(8192 * 128)?;
-/// let mut y = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
-/// layer.forward(&x, 8192, Routing::Logits(&logits), &mut y)?;
-/// let mut grads = layer.gradients()?;
-/// let mut dx = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
-/// layer.backward(&y, &mut dx, &mut grads, false)?;
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub struct MoeLayer {
-    cfg: MoeConfig,
-    max_tokens: usize,
-    stream: Arc<CudaStream>,
-    act: ActivationDesc,
-    gate_up: CudaSlice<bf16>,
-    down: CudaSlice<bf16>,
-    bias: Option<CudaSlice<f32>>,
-    /// The grouped GEMMs, and through [`GroupedGemm::kernels`] the one kernel handle every
-    /// launch of the layer goes through.
-    gemm: GroupedGemm,
-    plans: Plans,
-    saved: Saved,
-    scratch: Scratch,
-    forwarded: bool,
-    /// Stage events of the last call when profiling (`set_profiling`).
-    profile: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
-}
-
-impl MoeLayer {
-    /// A layer for `cfg` taking up to `max_tokens` tokens per call, its weights rounded to
-    /// bf16 from `weights` (the reference layout: gate_up `[E, W, D]`, down `[E, D, I]`), all
-    /// work on `stream`.
-    pub fn new(
-        stream: &Arc<CudaStream>,
-        cfg: MoeConfig,
-        max_tokens: usize,
-        weights: &MoeWeights,
-    ) -> Result<Self, MoeError> {
-        cfg.validate()?;
-        cfg.check_tokens(max_tokens)?;
-        weights.validate(&cfg)?;
-        let bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
-        let gate_up = stream.clone_htod(&bf(&weights.gate_up))?;
-        let down = stream.clone_htod(&bf(&weights.down))?;
-        let bias = match &weights.router_bias {
-            Some(b) => Some(stream.clone_htod(b)?),
-            None => None,
-        };
-        Self::with_device_weights(stream, cfg, max_tokens, gate_up, down, bias)
-    }
-
-    /// Like [`MoeLayer::new`] with weights already on the device (bf16 `[E, W, D]` and
-    /// `[E, D, I]`; the sigmoid router's `[E]` bias, if any).
-    pub fn with_device_weights(
-        stream: &Arc<CudaStream>,
-        cfg: MoeConfig,
-        max_tokens: usize,
-        gate_up: CudaSlice<bf16>,
-        down: CudaSlice<bf16>,
-        bias: Option<CudaSlice<f32>>,
-    ) -> Result<Self, MoeError> {
-        cfg.validate()?;
-        cfg.check_tokens(max_tokens)?;
-        let (d, i, e, k, w) = (
-            cfg.hidden,
-            cfg.intermediate,
-            cfg.experts,
-            cfg.top_k,
-            cfg.gate_up_width(),
+impl GemmPlans {
+    fn new(gemm: &GroupedGemm, plan: &MoePlan, mode: Mode) -> Result<Self, MoeError> {
+        let c = plan.config();
+        let (d, i, e, w, rows) = (
+            c.hidden,
+            c.intermediate,
+            c.experts,
+            c.gate_up_width(),
+            plan.rows(),
         );
-        let shape = |what, expected: usize, found: usize| {
-            if expected == found {
-                Ok(())
-            } else {
-                Err(MoeError::ShapeMismatch {
-                    what,
-                    expected,
-                    found,
-                })
-            }
-        };
-        // validate(): E <= 512, W <= 2^21, D, I <= 2^20, max_tokens·k <= 2^20, so none of
-        // these products overflows.
-        shape("gate_up [E, W, D]", e * w * d, gate_up.len())?;
-        shape("down [E, D, I]", e * d * i, down.len())?;
-        check_device("gate_up [E, W, D]", &gate_up, stream)?;
-        check_device("down [E, D, I]", &down, stream)?;
-        if let Some(b) = &bias {
-            shape("router bias [E]", e, b.len())?;
-            check_device("router bias [E]", b, stream)?;
-        }
-        let rows = max_tokens * k;
-        let ctx: Arc<CudaContext> = stream.context().clone();
-        let gemm = GroupedGemm::new(&ctx)?;
-        let hint = |mut desc: GroupedDesc| {
+        let plan = |mut desc: GroupedDesc| {
             desc.rows_per_group_hint = Some(rows.div_ceil(e));
-            desc
+            gemm.plan(&desc)
         };
-        let plan = |desc: GroupedDesc| gemm.plan(&hint(desc));
         let wgrad = |n: usize, kk: usize| -> Result<[GroupedPlan; 2], MoeError> {
             let (desc, swap) = GroupedDesc::wgrad_for(e, rows, n, kk, BLayout::Nk);
             debug_assert!(swap);
             Ok([plan(desc)?, plan(GroupedDesc { beta: 1.0, ..desc })?])
         };
-        let plans = Plans {
+        let backward = match mode {
+            Mode::Inference => None,
+            Mode::Training => Some(BackwardPlans {
+                down_dgrad: plan(GroupedDesc::dgrad(e, rows, d, i, BLayout::Nk))?,
+                gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,
+                down_wgrad: wgrad(d, i)?,
+                gate_up_wgrad: wgrad(w, d)?,
+            }),
+        };
+        let plans = GemmPlans {
             gate_up: plan(GroupedDesc::forward(e, rows, w, d, BLayout::Nk))?,
             down: plan(GroupedDesc::forward(e, rows, d, i, BLayout::Nk))?,
-            down_dgrad: plan(GroupedDesc::dgrad(e, rows, d, i, BLayout::Nk))?,
-            gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,
-            down_wgrad: wgrad(d, i)?,
-            gate_up_wgrad: wgrad(w, d)?,
+            backward,
         };
-        for p in [
-            &plans.gate_up,
-            &plans.down,
-            &plans.down_wgrad[0],
-            &plans.gate_up_wgrad[0],
-        ] {
+        for p in plans.all() {
             tracing::debug!(variant = %p.variant(), "moe layer grouped GEMM");
         }
-        let ws = [
-            &plans.gate_up,
-            &plans.down,
-            &plans.down_dgrad,
-            &plans.gate_up_dgrad,
-            &plans.down_wgrad[0],
-            &plans.down_wgrad[1],
-            &plans.gate_up_wgrad[0],
-            &plans.gate_up_wgrad[1],
-        ]
-        .iter()
-        .map(|p| p.workspace_bytes())
-        .max()
-        .unwrap_or(0);
-        let z16 = |n: usize| stream.alloc_zeros::<bf16>(n.max(1));
-        let saved = Saved {
-            tokens: 0,
-            routed: false,
-            ids: stream.alloc_zeros::<i32>(rows)?,
-            weights: stream.alloc_zeros::<f32>(rows)?,
-            logits: stream.alloc_zeros::<f32>(max_tokens * e)?,
-            perm: PermuteBuffers::new(stream, max_tokens, e, k)?,
-            x_perm: z16(rows * d)?,
-            h_pre: z16(rows * w)?,
-            h: z16(rows * i)?,
-            y_e: z16(rows * d)?,
+        Ok(plans)
+    }
+
+    fn all(&self) -> Vec<&GroupedPlan> {
+        let mut all = vec![&self.gate_up, &self.down];
+        if let Some(b) = &self.backward {
+            all.extend([&b.down_dgrad, &b.gate_up_dgrad]);
+            all.extend(b.down_wgrad.iter().chain(&b.gate_up_wgrad));
+        }
+        all
+    }
+}
+
+/// Routing and permutation, `O(T·k)`: the forward's own, read by the backward too.
+struct RoutingState {
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    perm: PermuteBuffers,
+}
+
+/// What a Training forward keeps for the backward.
+struct Saved {
+    /// `[T_max, E]` when the config routes.
+    logits: Option<CudaSlice<f32>>,
+    /// `x_perm`, `h_pre`, `h`, `y_e` (the plan's forward slots).
+    acts: [CudaSlice<bf16>; 4],
+}
+
+/// The host's facts about the last forward that returned `Ok`.
+#[derive(Debug, Clone, Copy)]
+struct LastForward {
+    tokens: usize,
+    /// The layer routed from logits (the backward gives `d_logits`).
+    routed: bool,
+    /// The caller's device routing was read in place (not in the layer's buffers).
+    in_place: bool,
+}
+
+/// An MoE layer on one GPU, bound to a stream and a [`Mode`] (see the module docs).
+///
+/// ```no_run
+/// use moefuse::gpu::{DeviceWeights, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing};
+/// use moefuse::{model::MoeWeights, MoeConfig};
+/// let ctx = cudarc::driver::CudaContext::new(0)?;
+/// let stream = ctx.new_stream()?;
+/// let cfg = MoeConfig::new(2048, 768, 128, 8);
+/// let plan = MoePlan::new(cfg, 8192)?;                     // validates, sizes, host only
+/// let weights = DeviceWeights::upload(&stream, &cfg, &MoeWeights::zeros(&cfg, false))?;
+/// let mut ws = MoeWorkspace::new(&stream, plan.workspace_bytes(Mode::Training))?;
+/// let mut layer = MoeLayer::new(&stream, &plan, Mode::Training)?;
+/// let x = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
+/// let logits = stream.alloc_zeros::<f32>(8192 * 128)?;
+/// let mut y = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
+/// layer.forward(&weights.view(), &x, 8192, Routing::Logits(&logits), &mut y, &mut ws)?;
+/// let mut grads = layer.gradients()?;
+/// let mut dx = stream.alloc_zeros::<half::bf16>(8192 * 2048)?;
+/// layer.backward(&weights.view(), &y, &mut dx, &mut grads, false, &mut ws)?;
+/// assert!(layer.memory().saved_for_backward() > 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct MoeLayer {
+    plan: MoePlan,
+    mode: Mode,
+    stream: Arc<CudaStream>,
+    act: ActivationDesc,
+    /// The grouped GEMMs, and through [`GroupedGemm::kernels`] the one kernel handle every
+    /// launch of the layer goes through.
+    gemm: GroupedGemm,
+    gemms: GemmPlans,
+    gemm_ws: CudaSlice<u8>,
+    routing: RoutingState,
+    /// `Some` in Training.
+    saved: Option<Saved>,
+    last: Option<LastForward>,
+    profile: Profile,
+}
+
+impl MoeLayer {
+    /// A layer of `plan` on `stream` in `mode`: binds the kernels (ABI and architecture
+    /// checked once), plans the grouped GEMMs the mode runs, and allocates what the mode
+    /// keeps ([`MoePlan::memory`] plus the GEMM workspace).
+    ///
+    /// ```no_run
+    /// use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(2048, 768, 128, 8), 8192)?;
+    /// let layer = MoeLayer::new(&ctx.new_stream()?, &plan, Mode::Inference)?;
+    /// assert_eq!(layer.memory().saved_for_backward(), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn new(stream: &Arc<CudaStream>, plan: &MoePlan, mode: Mode) -> Result<Self, MoeError> {
+        let cfg = *plan.config();
+        let (e, k, max_t) = (cfg.experts, cfg.top_k, plan.max_tokens());
+        let gemm = GroupedGemm::new(stream.context())?;
+        let gemms = GemmPlans::new(&gemm, plan, mode)?;
+        let ws = gemms.all().iter().map(|p| p.workspace_bytes()).max();
+        let routing = RoutingState {
+            ids: stream.alloc_zeros(plan.rows())?,
+            weights: stream.alloc_zeros(plan.rows())?,
+            perm: PermuteBuffers::new(stream, max_t, e, k)?,
         };
-        let scratch = Scratch {
-            dy_perm: z16(rows * d)?,
-            dh: z16(rows * i)?,
-            d_h_pre: z16(rows * w)?,
-            dx_perm: z16(rows * d)?,
-            workspace: stream.alloc_zeros::<u8>(ws.max(256))?,
+        let saved = match mode {
+            Mode::Inference => None,
+            Mode::Training => {
+                let [a, b, c, d] = plan.forward_slots();
+                let z = |n: usize| stream.alloc_zeros::<bf16>(n);
+                Some(Saved {
+                    logits: match cfg.router.computes_routing() {
+                        true => Some(stream.alloc_zeros(max_t * e)?),
+                        false => None,
+                    },
+                    acts: [z(a)?, z(b)?, z(c)?, z(d)?],
+                })
+            }
         };
         Ok(MoeLayer {
-            act: ActivationDesc::from_config(&cfg),
-            cfg,
-            max_tokens,
+            plan: *plan,
+            mode,
             stream: stream.clone(),
-            gate_up,
-            down,
-            bias,
+            act: ActivationDesc::from_config(&cfg),
+            gemm_ws: stream.alloc_zeros(ws.unwrap_or(0).max(256))?,
             gemm,
-            plans,
+            gemms,
+            routing,
             saved,
-            scratch,
-            forwarded: false,
-            profile: None,
+            last: None,
+            profile: Profile::default(),
         })
     }
 
     /// The configuration.
-    pub fn config(&self) -> &MoeConfig {
-        &self.cfg
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert_eq!(layer.config(), plan.config());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn config(&self) -> &crate::MoeConfig {
+        self.plan.config()
+    }
+
+    /// The plan the layer was built from.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert_eq!(layer.plan().max_tokens(), 8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn plan(&self) -> &MoePlan {
+        &self.plan
+    }
+
+    /// The mode the layer was built for.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Training)?;
+    /// assert_eq!(layer.mode(), Mode::Training);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The device memory the layer holds, counted from its buffers (see [`LayerMemory`]:
+    /// Inference keeps nothing for a backward).
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(2048, 768, 128, 8), 8192)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Training)?;
+    /// println!("{}", layer.memory()); // training: 805.0 MiB saved for the backward, ...
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn memory(&self) -> LayerMemory {
+        let r = &self.routing;
+        let (activations, logits) = match &self.saved {
+            Some(sv) => (
+                sv.acts.iter().map(|b| b.len() * 2).sum(),
+                sv.logits.as_ref().map_or(0, |l| l.len() * 4),
+            ),
+            None => (0, 0),
+        };
+        LayerMemory {
+            mode: self.mode,
+            activations,
+            logits,
+            routing: r.ids.len() * 4 + r.weights.len() * 4 + r.perm.device_bytes(),
+            gemm_workspace: self.gemm_ws.len(),
+        }
     }
 
     /// Records a CUDA event after every stage of the following calls (not under graph
     /// capture), for [`MoeLayer::stage_times`].
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// layer.set_profiling(true);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn set_profiling(&mut self, on: bool) {
-        self.profile = on.then(Vec::new);
+        self.profile.set(on);
     }
 
     /// Milliseconds per stage of the last forward or backward when profiling (synchronises
-    /// the stream), in order: e.g. `permute`, `gate_up`, `activation`, `down`, `combine`.
+    /// the stream), in order: e.g. `route`, `permute+gather`, `gate_up gemm`, `activation`,
+    /// `down gemm`, `combine`.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert!(layer.stage_times()?.is_empty()); // profiling off
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn stage_times(&self) -> Result<Vec<(&'static str, f32)>, MoeError> {
-        let Some(events) = &self.profile else {
-            return Ok(Vec::new());
-        };
-        let mut out = Vec::new();
-        for pair in events.windows(2) {
-            pair[1].1.synchronize()?;
-            out.push((pair[1].0, pair[0].1.elapsed_ms(&pair[1].1)?));
-        }
-        Ok(out)
+        self.profile.times()
     }
 
-    fn mark(
-        profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
-        stream: &Arc<CudaStream>,
-        stage: &'static str,
-    ) -> Result<(), MoeError> {
-        if let Some(events) = profile {
-            let ev = stream
-                .context()
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            ev.record(stream)?;
-            events.push((stage, ev));
-        }
-        Ok(())
-    }
-
-    /// Zeroed gradient buffers for this layer (reuse them across calls).
+    /// Zeroed gradient buffers for this layer (reuse them across calls); Training only.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig, MoeError};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert!(matches!(layer.gradients(), Err(MoeError::NotTraining { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn gradients(&self) -> Result<Gradients, MoeError> {
+        if self.mode != Mode::Training {
+            return Err(MoeError::NotTraining { mode: self.mode });
+        }
+        let c = self.plan.config();
         let (d, i, e, k, w) = (
-            self.cfg.hidden,
-            self.cfg.intermediate,
-            self.cfg.experts,
-            self.cfg.top_k,
-            self.cfg.gate_up_width(),
+            c.hidden,
+            c.intermediate,
+            c.experts,
+            c.top_k,
+            c.gate_up_width(),
         );
-        let s = &self.stream;
+        let (s, max_t) = (&self.stream, self.plan.max_tokens());
         Ok(Gradients {
             d_gate_up: s.alloc_zeros::<bf16>(e * w * d)?,
             d_down: s.alloc_zeros::<bf16>(e * d * i)?,
-            d_topk_weights: s.alloc_zeros::<f32>(self.max_tokens * k)?,
-            d_logits: s.alloc_zeros::<f32>(self.max_tokens * e)?,
+            d_topk_weights: s.alloc_zeros::<f32>(max_t * k)?,
+            d_logits: s.alloc_zeros::<f32>(max_t * e)?,
         })
     }
 
-    /// The routing of the last forward: `topk_ids [T, k]`, `topk_weights [T, k]`.
-    pub fn routing(&self) -> (&CudaSlice<i32>, &CudaSlice<f32>) {
-        (&self.saved.ids, &self.saved.weights)
+    /// The routing of the last forward, `topk_ids [T, k]` and `topk_weights [T, k]` in the
+    /// layer's buffers; `None` before a forward and when the last one read the caller's
+    /// device routing in place (Inference with [`Routing::External`]).
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert!(layer.routing().is_none()); // no forward yet
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn routing(&self) -> Option<(&CudaSlice<i32>, &CudaSlice<f32>)> {
+        match self.last {
+            Some(l) if !l.in_place => Some((&self.routing.ids, &self.routing.weights)),
+            _ => None,
+        }
     }
 
     /// Reports (and clears) what the kernels flagged in device-side state since the last
@@ -368,12 +463,30 @@ impl MoeLayer {
     /// of another token count (`stale_forward`: its `dx` and `d_topk_weights` were
     /// zeroed). Synchronises the stream; call it after a forward, a backward or a replayed
     /// graph whenever routing comes from the device or graphs of several `T` are mixed.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// layer.take_routing_errors()?; // nothing run, nothing flagged
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn take_routing_errors(&mut self) -> Result<(), MoeError> {
-        self.saved.perm.errors_mut().take()
+        self.routing.perm.errors_mut().take()
     }
 
     /// Per-expert prefix-sum offsets of the last forward.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert_eq!(cudarc::driver::DeviceSlice::len(layer.offsets()), 4);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn offsets(&self) -> &CudaSlice<i32> {
-        self.saved.perm.offsets()
+        self.routing.perm.offsets()
     }
 }

@@ -1,48 +1,204 @@
-//! [`MoeLayer::forward`] and [`MoeLayer::backward`]: the layer's stages in order, each
-//! launched through the layer's one kernel handle (see the parent module's docs).
+//! [`MoeLayer::forward`] and [`MoeLayer::backward`]: every host-knowable check first, then
+//! the stages in order, each wrapped by the profiler (see the parent module's docs).
 
-use super::{MoeLayer, Routing};
-use crate::gpu::activation::{activation_backward_with, activation_forward_with};
-use crate::gpu::permute::{combine_backward_impl, combine_impl, permute_with};
-use crate::gpu::router::{route_backward_with, route_with};
-use crate::gpu::{check_buffer, check_len, Gradients, Rows};
-use crate::{MoeError, RouterKind};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use super::plan::{DH, DX_PERM, DY_PERM, D_H_PRE, H, H_PRE, X_PERM, Y_E};
+use super::workspace::SlotViews;
+use super::{LastForward, Mode, MoeLayer, MoeWorkspace, Routing, RoutingState, Saved, Weights};
+use crate::gpu::{check_buffer, check_len, Gradients};
+use crate::{model::check_routing, MoeError, RouterKind};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
 
 impl MoeLayer {
-    /// `y [T, D] = MoE(x [T, D])` (bf16), routed per `routing`. Keeps what the backward needs.
+    /// `y [T, D] = MoE(x [T, D])` (bf16) with the caller's `weights`, routed per
+    /// `routing`, on the layer's stream. Every shape, buffer, device and host routing is
+    /// checked before anything is launched. Training keeps what the backward needs (in
+    /// the layer); Inference keeps nothing, its intermediates live in `workspace`.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{DeviceWeights, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing},
+    /// #     model::MoeWeights, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let stream = ctx.new_stream()?;
+    /// let cfg = MoeConfig::new(128, 64, 8, 2);
+    /// let plan = MoePlan::new(cfg, 32)?;
+    /// let weights = DeviceWeights::upload(&stream, &cfg, &MoeWeights::zeros(&cfg, false))?;
+    /// let mut ws = MoeWorkspace::new(&stream, plan.workspace_bytes(Mode::Inference))?;
+    /// let mut layer = MoeLayer::new(&stream, &plan, Mode::Inference)?;
+    /// let x = stream.alloc_zeros::<half::bf16>(32 * 128)?;
+    /// let logits = stream.alloc_zeros::<f32>(32 * 8)?;
+    /// let mut y = stream.alloc_zeros::<half::bf16>(32 * 128)?;
+    /// layer.forward(&weights.view(), &x, 32, Routing::Logits(&logits), &mut y, &mut ws)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn forward<X, Y>(
         &mut self,
+        weights: &Weights<'_>,
         x: &X,
         tokens: usize,
         routing: Routing<'_>,
         y: &mut Y,
+        workspace: &mut MoeWorkspace,
     ) -> Result<(), MoeError>
     where
         X: DevicePtr<bf16>,
         Y: DevicePtrMut<bf16>,
     {
         // Whatever happens below, the state of an earlier forward is gone.
-        self.forwarded = false;
-        let (d, e, k) = (self.cfg.hidden, self.cfg.experts, self.cfg.top_k);
-        self.cfg.check_tokens(tokens)?;
-        if tokens > self.max_tokens {
-            return Err(MoeError::TokensOutOfRange {
-                tokens,
-                max: self.max_tokens,
-            });
+        self.last = None;
+        self.check_forward(weights, x, tokens, &routing, &*y, workspace)?;
+        let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
+        let (cx, g, lens) = (cx!(self), &self.gemms, self.plan.forward_slots());
+        let RoutingState {
+            ids,
+            weights: wts,
+            perm,
+        } = &mut self.routing;
+        let (mut acts, logits) = match &mut self.saved {
+            Some(Saved { logits, acts }) => {
+                (SlotViews::new(acts.each_mut(), lens), logits.as_mut())
+            }
+            None => (workspace.slots(lens), None),
+        };
+        let (p, s, gws) = (&mut self.profile, cx.stream, &mut self.gemm_ws);
+        p.begin(s)?;
+        let r = p.stage(s, "route", cx.route(t, routing, w, ids, wts, logits, keep))?;
+        let permute = cx.permute(t, r.ids, x, perm, &mut acts.get_mut(X_PERM));
+        p.stage(s, "permute+gather", permute)?;
+        let off = &perm.offsets;
+        let (x_perm, mut h_pre) = acts.io(X_PERM, H_PRE);
+        let gate_up = cx.gemm(&g.gate_up, off, &x_perm, &w.gate_up, &mut h_pre, gws);
+        p.stage(s, "gate_up gemm", gate_up)?;
+        let (h_pre, mut h) = acts.io(H_PRE, H);
+        p.stage(s, "activation", cx.activation(off, &h_pre, &mut h))?;
+        let (h, mut y_e) = acts.io(H, Y_E);
+        p.stage(
+            s,
+            "down gemm",
+            cx.gemm(&g.down, off, &h, &w.down, &mut y_e, gws),
+        )?;
+        let (row_of, errors, y_e) = (&perm.row_of, &mut perm.errors, acts.get(Y_E));
+        let combine = cx.combine(t, row_of, Some(r.weights), &y_e, y, errors, false);
+        p.stage(s, "combine", combine)?;
+        let (routed, in_place) = (r.routed, r.in_place);
+        self.last = Some(LastForward {
+            tokens: t,
+            routed,
+            in_place,
+        });
+        Ok(())
+    }
+
+    /// Gradients of the last forward for `dy [T, D]`, with the `weights` that forward
+    /// used: `dx [T, D]` (from the experts; the router matrix's share `d_logits · Wr` is
+    /// the caller's), and into `grads` the weight gradients (added to their content when
+    /// `accumulate`), `d_topk_weights`, and `d_logits` when the layer routed. Needs a
+    /// Training layer ([`MoeError::NotTraining`]) and a forward that returned `Ok`
+    /// ([`MoeError::NoForward`]); everything is checked before anything is launched.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{DeviceWeights, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing},
+    /// #     model::MoeWeights, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let stream = ctx.new_stream()?;
+    /// # let cfg = MoeConfig::new(128, 64, 8, 2);
+    /// # let plan = MoePlan::new(cfg, 32)?;
+    /// # let weights = DeviceWeights::upload(&stream, &cfg, &MoeWeights::zeros(&cfg, false))?;
+    /// # let mut ws = MoeWorkspace::new(&stream, plan.workspace_bytes(Mode::Training))?;
+    /// # let (x, logits) = (stream.alloc_zeros::<half::bf16>(32 * 128)?, stream.alloc_zeros::<f32>(32 * 8)?);
+    /// # let (mut y, mut dx) = (stream.alloc_zeros::<half::bf16>(32 * 128)?, stream.alloc_zeros::<half::bf16>(32 * 128)?);
+    /// let mut layer = MoeLayer::new(&stream, &plan, Mode::Training)?;
+    /// let mut grads = layer.gradients()?;
+    /// layer.forward(&weights.view(), &x, 32, Routing::Logits(&logits), &mut y, &mut ws)?;
+    /// layer.backward(&weights.view(), &y, &mut dx, &mut grads, false, &mut ws)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn backward<G, X>(
+        &mut self,
+        weights: &Weights<'_>,
+        dy: &G,
+        dx: &mut X,
+        grads: &mut Gradients,
+        accumulate: bool,
+        workspace: &mut MoeWorkspace,
+    ) -> Result<(), MoeError>
+    where
+        G: DevicePtr<bf16>,
+        X: DevicePtrMut<bf16>,
+    {
+        let last = self.check_backward(weights, dy, &*dx, grads, workspace)?;
+        let (t, w, acc) = (last.tokens, weights, usize::from(accumulate));
+        let (cx, p, gws) = (cx!(self), &mut self.profile, &mut self.gemm_ws);
+        let (Some(g), Some(sv)) = (&self.gemms.backward, &self.saved) else {
+            return Err(MoeError::NotTraining { mode: self.mode });
+        };
+        let RoutingState {
+            ids,
+            weights: wts,
+            perm,
+        } = &mut self.routing;
+        let (off, row_of, errors) = (&perm.offsets, &perm.row_of, &mut perm.errors);
+        let (mut sc, s) = (workspace.slots(self.plan.backward_slots()), cx.stream);
+        p.begin(s)?;
+        let (mut dy_perm, dtw) = (sc.get_mut(DY_PERM), &mut grads.d_topk_weights);
+        let y_e = &sv.acts[Y_E];
+        let comb = cx.combine_backward(t, row_of, wts, dy, y_e, &mut dy_perm, dtw, errors);
+        p.stage(s, "combine bwd", comb)?;
+        let (dy_perm, mut dh) = sc.io(DY_PERM, DH);
+        let dgrad = cx.gemm(&g.down_dgrad, off, &dy_perm, &w.down, &mut dh, gws);
+        p.stage(s, "down dgrad", dgrad)?;
+        let (h, d_down) = (&sv.acts[H], &mut grads.d_down);
+        let wgrad = cx.gemm(&g.down_wgrad[acc], off, &dy_perm, h, d_down, gws);
+        p.stage(s, "down wgrad", wgrad)?;
+        let (dh, mut d_h_pre) = sc.io(DH, D_H_PRE);
+        let act = cx.activation_backward(off, &sv.acts[H_PRE], &dh, &mut d_h_pre);
+        p.stage(s, "activation bwd", act)?;
+        let (d_h_pre, mut dx_perm) = sc.io(D_H_PRE, DX_PERM);
+        let dgrad = cx.gemm(
+            &g.gate_up_dgrad,
+            off,
+            &d_h_pre,
+            &w.gate_up,
+            &mut dx_perm,
+            gws,
+        );
+        p.stage(s, "gate_up dgrad", dgrad)?;
+        let (x_perm, d_gate_up) = (&sv.acts[X_PERM], &mut grads.d_gate_up);
+        let wgrad = cx.gemm(&g.gate_up_wgrad[acc], off, &d_h_pre, x_perm, d_gate_up, gws);
+        p.stage(s, "gate_up wgrad", wgrad)?;
+        let dx_combine = cx.combine(t, row_of, None, &sc.get(DX_PERM), dx, errors, true);
+        p.stage(s, "dx combine", dx_combine)?;
+        if let (true, Some(logits)) = (last.routed, &sv.logits) {
+            let (dtw, dl) = (&grads.d_topk_weights, &mut grads.d_logits);
+            p.stage(s, "router bwd", cx.route_backward(t, logits, ids, dtw, dl))?;
         }
-        let s = self.stream.clone();
+        Ok(())
+    }
+
+    /// Everything [`MoeLayer::forward`] can check on the host, in argument order.
+    fn check_forward(
+        &self,
+        weights: &Weights<'_>,
+        x: &dyn DeviceSlice<bf16>,
+        tokens: usize,
+        routing: &Routing<'_>,
+        y: &dyn DeviceSlice<bf16>,
+        workspace: &MoeWorkspace,
+    ) -> Result<(), MoeError> {
+        let (s, plan) = (&self.stream, &self.plan);
+        let c = plan.config();
+        let (d, e, k) = (c.hidden, c.experts, c.top_k);
+        plan.check_tokens(tokens)?;
+        weights.check(plan, s)?;
         // tokens <= 65536, k <= 16, D, E bounded by validate(): no product overflows.
-        check_buffer("x [T, D]", x, tokens * d, &s)?;
-        check_buffer("y [T, D]", y, tokens * d, &s)?;
-        match &routing {
+        check_buffer("x [T, D]", x, tokens * d, s)?;
+        check_buffer("y [T, D]", y, tokens * d, s)?;
+        match routing {
             Routing::Logits(logits) => {
-                if matches!(self.cfg.router, RouterKind::External) {
+                if matches!(c.router, RouterKind::External) {
                     return Err(MoeError::ExternalRouter);
                 }
-                check_buffer("logits [T, E]", *logits, tokens * e, &s)?;
+                check_buffer("logits [T, E]", *logits, tokens * e, s)?;
             }
             Routing::Host {
                 topk_ids,
@@ -50,273 +206,46 @@ impl MoeLayer {
             } => {
                 check_len("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
                 check_len("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
-                crate::reference::router::check_routing(&topk_ids[..tokens * k], k, e)?;
+                check_routing(&topk_ids[..tokens * k], k, e)?;
             }
             Routing::External {
                 topk_ids,
                 topk_weights,
             } => {
-                check_buffer("topk_ids [T, k]", *topk_ids, tokens * k, &s)?;
-                check_buffer("topk_weights [T, k]", *topk_weights, tokens * k, &s)?;
+                check_buffer("topk_ids [T, k]", *topk_ids, tokens * k, s)?;
+                check_buffer("topk_weights [T, k]", *topk_weights, tokens * k, s)?;
             }
         }
-        if let Some(ev) = self.profile.as_mut() {
-            ev.clear();
-        }
-        Self::mark(&mut self.profile, &s, "start")?;
-        let kernels = Some(self.gemm.kernels());
-        let sv = &mut self.saved;
-        match routing {
-            Routing::Logits(logits) => {
-                s.memcpy_dtod(
-                    &logits.slice(..tokens * e),
-                    &mut sv.logits.slice_mut(..tokens * e),
-                )?;
-                let bias = self.bias.as_ref().map(|b| b as &dyn DevicePtr<f32>);
-                route_with(
-                    kernels,
-                    &self.cfg,
-                    &s,
-                    tokens,
-                    &sv.logits,
-                    bias,
-                    &mut sv.ids,
-                    &mut sv.weights,
-                )?;
-                sv.routed = true;
-            }
-            Routing::Host {
-                topk_ids,
-                topk_weights,
-            } => {
-                s.memcpy_htod(&topk_ids[..tokens * k], &mut sv.ids.slice_mut(..tokens * k))?;
-                s.memcpy_htod(
-                    &topk_weights[..tokens * k],
-                    &mut sv.weights.slice_mut(..tokens * k),
-                )?;
-                sv.routed = false;
-            }
-            Routing::External {
-                topk_ids,
-                topk_weights,
-            } => {
-                s.memcpy_dtod(
-                    &topk_ids.slice(..tokens * k),
-                    &mut sv.ids.slice_mut(..tokens * k),
-                )?;
-                s.memcpy_dtod(
-                    &topk_weights.slice(..tokens * k),
-                    &mut sv.weights.slice_mut(..tokens * k),
-                )?;
-                sv.routed = false;
-            }
-        }
-        sv.tokens = tokens;
-        Self::mark(&mut self.profile, &s, "route")?;
-        permute_with(
-            kernels,
-            &s,
-            tokens,
-            e,
-            k,
-            d,
-            &sv.ids,
-            Some(x as &dyn DevicePtr<bf16>),
-            &mut sv.perm,
-            Some(&mut sv.x_perm),
-        )?;
-        Self::mark(&mut self.profile, &s, "permute+gather")?;
-        let ws = &mut self.scratch.workspace;
-        let gemm = &self.gemm;
-        gemm.run(
-            &self.plans.gate_up,
-            &s,
-            &sv.perm.offsets,
-            &sv.x_perm,
-            &self.gate_up,
-            &mut sv.h_pre,
-            ws,
-        )?;
-        Self::mark(&mut self.profile, &s, "gate_up gemm")?;
-        let rows_cap = self.max_tokens * k;
-        let last = sv.perm.offsets.slice(e - 1..);
-        activation_forward_with(
-            kernels,
-            &self.act,
-            &s,
-            Rows::from_device(&last, rows_cap),
-            &sv.h_pre,
-            &mut sv.h,
-        )?;
-        Self::mark(&mut self.profile, &s, "activation")?;
-        gemm.run(
-            &self.plans.down,
-            &s,
-            &sv.perm.offsets,
-            &sv.h,
-            &self.down,
-            &mut sv.y_e,
-            ws,
-        )?;
-        Self::mark(&mut self.profile, &s, "down gemm")?;
-        combine_impl(
-            kernels,
-            &s,
-            tokens,
-            k,
-            d,
-            &sv.perm.row_of,
-            Some(&sv.weights),
-            &sv.y_e,
-            y,
-            &mut sv.perm.errors,
-            false,
-        )?;
-        Self::mark(&mut self.profile, &s, "combine")?;
-        self.forwarded = true;
-        Ok(())
+        workspace.check(plan.workspace_bytes(self.mode), s)
     }
 
-    /// Gradients of the last forward for `dy [T, D]`: `dx [T, D]` (from the experts; the
-    /// router matrix's share `d_logits · Wr` is the caller's), and into `grads` the weight
-    /// gradients (added to their content when `accumulate`), `d_topk_weights`, and
-    /// `d_logits` when the layer routed.
-    pub fn backward<G, X>(
-        &mut self,
-        dy: &G,
-        dx: &mut X,
-        grads: &mut Gradients,
-        accumulate: bool,
-    ) -> Result<(), MoeError>
-    where
-        G: DevicePtr<bf16>,
-        X: DevicePtrMut<bf16>,
-    {
-        if !self.forwarded {
-            return Err(MoeError::NoForward);
+    /// Everything [`MoeLayer::backward`] can check on the host; the last forward's facts.
+    fn check_backward(
+        &self,
+        weights: &Weights<'_>,
+        dy: &dyn DeviceSlice<bf16>,
+        dx: &dyn DeviceSlice<bf16>,
+        grads: &Gradients,
+        workspace: &MoeWorkspace,
+    ) -> Result<LastForward, MoeError> {
+        if self.mode != Mode::Training {
+            return Err(MoeError::NotTraining { mode: self.mode });
         }
-        let (d, e, k) = (self.cfg.hidden, self.cfg.experts, self.cfg.top_k);
-        let s = self.stream.clone();
-        let kernels = Some(self.gemm.kernels());
-        let sv = &mut self.saved;
-        let t = sv.tokens;
-        check_buffer("dy [T, D]", dy, t * d, &s)?;
-        check_buffer("dx [T, D]", dx, t * d, &s)?;
-        check_buffer(
-            "d_gate_up [E, W, D]",
-            &grads.d_gate_up,
-            self.gate_up.len(),
-            &s,
-        )?;
-        check_buffer("d_down [E, D, I]", &grads.d_down, self.down.len(), &s)?;
-        check_buffer("d_topk_weights [T, k]", &grads.d_topk_weights, t * k, &s)?;
-        if sv.routed {
-            check_buffer("d_logits [T, E]", &grads.d_logits, t * e, &s)?;
+        let last = self.last.ok_or(MoeError::NoForward)?;
+        let (s, plan, t) = (&self.stream, &self.plan, last.tokens);
+        let c = plan.config();
+        let (d, e, k) = (c.hidden, c.experts, c.top_k);
+        weights.check(plan, s)?;
+        check_buffer("dy [T, D]", dy, t * d, s)?;
+        check_buffer("dx [T, D]", dx, t * d, s)?;
+        let (gate_up, down) = (weights.gate_up.len(), weights.down.len());
+        check_buffer("d_gate_up [E, W, D]", &grads.d_gate_up, gate_up, s)?;
+        check_buffer("d_down [E, D, I]", &grads.d_down, down, s)?;
+        check_buffer("d_topk_weights [T, k]", &grads.d_topk_weights, t * k, s)?;
+        if last.routed {
+            check_buffer("d_logits [T, E]", &grads.d_logits, t * e, s)?;
         }
-        if let Some(ev) = self.profile.as_mut() {
-            ev.clear();
-        }
-        Self::mark(&mut self.profile, &s, "start")?;
-        let sc = &mut self.scratch;
-        combine_backward_impl(
-            kernels,
-            &s,
-            t,
-            k,
-            d,
-            &sv.perm.row_of,
-            &sv.weights,
-            dy,
-            &sv.y_e,
-            &mut sc.dy_perm,
-            &mut grads.d_topk_weights,
-            &mut sv.perm.errors,
-            true,
-        )?;
-        Self::mark(&mut self.profile, &s, "combine bwd")?;
-        let gemm = &self.gemm;
-        let off = &sv.perm.offsets;
-        let ws = &mut sc.workspace;
-        let acc = usize::from(accumulate);
-        gemm.run(
-            &self.plans.down_dgrad,
-            &s,
-            off,
-            &sc.dy_perm,
-            &self.down,
-            &mut sc.dh,
-            ws,
-        )?;
-        Self::mark(&mut self.profile, &s, "down dgrad")?;
-        gemm.run(
-            &self.plans.down_wgrad[acc],
-            &s,
-            off,
-            &sc.dy_perm,
-            &sv.h,
-            &mut grads.d_down,
-            ws,
-        )?;
-        Self::mark(&mut self.profile, &s, "down wgrad")?;
-        let rows_cap = self.max_tokens * k;
-        let last = off.slice(e - 1..);
-        activation_backward_with(
-            kernels,
-            &self.act,
-            &s,
-            Rows::from_device(&last, rows_cap),
-            &sv.h_pre,
-            &sc.dh,
-            &mut sc.d_h_pre,
-        )?;
-        Self::mark(&mut self.profile, &s, "activation bwd")?;
-        gemm.run(
-            &self.plans.gate_up_dgrad,
-            &s,
-            off,
-            &sc.d_h_pre,
-            &self.gate_up,
-            &mut sc.dx_perm,
-            ws,
-        )?;
-        Self::mark(&mut self.profile, &s, "gate_up dgrad")?;
-        gemm.run(
-            &self.plans.gate_up_wgrad[acc],
-            &s,
-            off,
-            &sc.d_h_pre,
-            &sv.x_perm,
-            &mut grads.d_gate_up,
-            ws,
-        )?;
-        Self::mark(&mut self.profile, &s, "gate_up wgrad")?;
-        combine_impl(
-            kernels,
-            &s,
-            t,
-            k,
-            d,
-            &sv.perm.row_of,
-            None,
-            &sc.dx_perm,
-            dx,
-            &mut sv.perm.errors,
-            true,
-        )?;
-        Self::mark(&mut self.profile, &s, "dx combine")?;
-        if sv.routed {
-            route_backward_with(
-                kernels,
-                &self.cfg,
-                &s,
-                t,
-                &sv.logits,
-                &sv.ids,
-                &grads.d_topk_weights,
-                &mut grads.d_logits,
-            )?;
-            Self::mark(&mut self.profile, &s, "router bwd")?;
-        }
-        Ok(())
+        workspace.check(plan.workspace_bytes(self.mode), s)?;
+        Ok(last)
     }
 }

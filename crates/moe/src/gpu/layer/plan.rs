@@ -1,0 +1,455 @@
+//! [`MoePlan`]: the layer's shape validated once and every buffer sized from it, on the
+//! host; [`Mode`] and the [`LayerMemory`] a layer of each mode holds.
+
+use crate::gpu::PermuteBuffers;
+use crate::{MoeConfig, MoeError};
+use std::fmt;
+
+/// What a [`MoeLayer`](super::MoeLayer) keeps between its forward and a backward.
+///
+/// * `Inference`: nothing. The forward's expert-major intermediates live in the shared
+///   [`MoeWorkspace`](super::MoeWorkspace) and are dead when the forward returns;
+///   [`backward`](super::MoeLayer::backward) returns [`MoeError::NotTraining`].
+/// * `Training`: what the backward reads (see [`LayerMemory`] for the exact list and
+///   [`MoePlan::memory`] for the bytes).
+///
+/// ```
+/// use moefuse::gpu::Mode;
+/// assert_eq!(Mode::Inference.to_string(), "inference");
+/// assert!(Mode::Training.saves_for_backward());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Forward only: nothing is saved for a backward.
+    Inference,
+    /// Forward saves what the backward needs.
+    Training,
+}
+
+impl Mode {
+    /// Whether a forward in this mode saves state for a backward.
+    ///
+    /// ```
+    /// assert!(!moefuse::gpu::Mode::Inference.saves_for_backward());
+    /// ```
+    pub fn saves_for_backward(self) -> bool {
+        self == Mode::Training
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Inference => "inference",
+            Mode::Training => "training",
+        })
+    }
+}
+
+/// Device memory a layer holds (bytes), per kind; the weights are the caller's and the
+/// workspace is shared, so neither is counted.
+///
+/// What each mode keeps, with today's unfused kernels (`R = max_tokens · top_k` rows,
+/// bf16 intermediates):
+///
+/// | field | Inference | Training |
+/// |---|---|---|
+/// | `activations` | 0 | `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]`: `R·(2D + W + I)·2` |
+/// | `logits` | 0 | router logits `[T, E]` f32 when the layer routes (`Routing::Logits`) |
+/// | `routing` | ids, weights `[T, k]`, the permutation (`row_of`, `source_of`, offsets, scratch): `O(T·k)` | the same; the backward reads it |
+/// | `gemm_workspace` | the forward GEMMs' (device-queried, a few hundred bytes per expert) | forward and backward GEMMs' |
+///
+/// The fused kernels (gather in the gate_up producer, activation in its epilogue, weight
+/// scale in the down epilogue) drop `x_perm`, `h` and `y_e` from Training: it then keeps
+/// `h_pre` and the routing, `R·W·2` bytes plus `O(T·k)`.
+///
+/// ```
+/// use moefuse::gpu::{Mode, MoePlan};
+/// let plan = MoePlan::new(moefuse::MoeConfig::new(2048, 768, 128, 8), 8192)?;
+/// let m = plan.memory(Mode::Training);
+/// assert_eq!(m.activations, 65536 * (2 * 2048 + 1536 + 768) * 2); // 800 MiB
+/// assert_eq!(plan.memory(Mode::Inference).saved_for_backward(), 0);
+/// # Ok::<(), moefuse::MoeError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerMemory {
+    /// The mode the layer was built for.
+    pub mode: Mode,
+    /// Expert-major activations saved for the backward (Training only).
+    pub activations: usize,
+    /// Router logits saved for the router backward (Training, routing configs only).
+    pub logits: usize,
+    /// Routing and permutation state, `O(T·k)`: the forward's own; in Training the
+    /// backward reads it too.
+    pub routing: usize,
+    /// The grouped GEMMs' workspace (0 in [`MoePlan::memory`]: its size is queried from
+    /// the device when the layer is built).
+    pub gemm_workspace: usize,
+}
+
+impl LayerMemory {
+    /// Bytes kept for a backward: activations, logits and routing in Training, 0 in
+    /// Inference.
+    ///
+    /// ```
+    /// # use moefuse::gpu::{Mode, MoePlan};
+    /// let plan = MoePlan::new(moefuse::MoeConfig::new(64, 64, 4, 2), 16)?;
+    /// let m = plan.memory(Mode::Training);
+    /// assert_eq!(m.saved_for_backward(), m.activations + m.logits + m.routing);
+    /// # Ok::<(), moefuse::MoeError>(())
+    /// ```
+    pub fn saved_for_backward(&self) -> usize {
+        match self.mode {
+            Mode::Inference => 0,
+            Mode::Training => self.activations + self.logits + self.routing,
+        }
+    }
+
+    /// Everything the layer holds.
+    ///
+    /// ```
+    /// # use moefuse::gpu::{Mode, MoePlan};
+    /// let plan = MoePlan::new(moefuse::MoeConfig::new(64, 64, 4, 2), 16)?;
+    /// let m = plan.memory(Mode::Inference);
+    /// assert_eq!(m.total(), m.routing);
+    /// # Ok::<(), moefuse::MoeError>(())
+    /// ```
+    pub fn total(&self) -> usize {
+        self.activations + self.logits + self.routing + self.gemm_workspace
+    }
+}
+
+impl fmt::Display for LayerMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        write!(
+            f,
+            "{}: {:.1} MiB saved for the backward (activations {:.1}, logits {:.1}, routing {:.2}), \
+             GEMM workspace {:.2} MiB, total {:.1} MiB",
+            self.mode,
+            mib(self.saved_for_backward()),
+            mib(self.activations),
+            mib(self.logits),
+            mib(self.routing),
+            mib(self.gemm_workspace),
+            mib(self.total())
+        )
+    }
+}
+
+/// The element counts of one pass's four expert-major bf16 intermediates, in order of
+/// use. Slots 0 and 2 share workspace region A, slots 1 and 3 region B: each slot is dead
+/// before the slot after next is written.
+pub(super) type Slots = [usize; 4];
+
+/// The forward's intermediates, in [`Slots`] order.
+pub(super) const X_PERM: usize = 0;
+pub(super) const H_PRE: usize = 1;
+pub(super) const H: usize = 2;
+pub(super) const Y_E: usize = 3;
+/// The backward's scratch, in [`Slots`] order.
+pub(super) const DY_PERM: usize = 0;
+pub(super) const DH: usize = 1;
+pub(super) const D_H_PRE: usize = 2;
+pub(super) const DX_PERM: usize = 3;
+
+/// A validated layer shape with every buffer sized, computed on the host with no device,
+/// no allocation and no launch ([`MoePlan::new`]). One plan serves any number of layers
+/// ([`MoeLayer::new`](super::MoeLayer::new)) and sizes the workspace they share
+/// ([`MoePlan::workspace_bytes`]).
+///
+/// ```
+/// use moefuse::{gpu::{Mode, MoePlan}, MoeConfig, MoeError};
+/// let plan = MoePlan::new(MoeConfig::new(2048, 768, 128, 8), 8192)?;
+/// assert_eq!(plan.rows(), 65536);
+/// assert_eq!(plan.workspace_bytes(Mode::Inference), 65536 * (2048 + 2048) * 2); // 512 MiB
+/// assert!(matches!(MoePlan::new(MoeConfig::new(2048, 768, 128, 8), 0),
+///     Err(MoeError::TokensOutOfRange { tokens: 0, .. })));
+/// # Ok::<(), MoeError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoePlan {
+    cfg: MoeConfig,
+    max_tokens: usize,
+    rows: usize,
+    permute_words: usize,
+}
+
+impl MoePlan {
+    /// Checks `cfg` ([`MoeConfig::validate`]) and `1 <= max_tokens <= 65536`
+    /// ([`MoeConfig::check_tokens`]), and sizes the buffers of a layer taking up to
+    /// `max_tokens` tokens per call.
+    ///
+    /// ```
+    /// use moefuse::{gpu::MoePlan, MoeConfig, MoeError};
+    /// assert_eq!(MoePlan::new(MoeConfig::new(64, 64, 4, 5), 16).unwrap_err(),
+    ///     MoeError::TopKOutOfRange { top_k: 5, experts: 4, max: 16 });
+    /// ```
+    pub fn new(cfg: MoeConfig, max_tokens: usize) -> Result<Self, MoeError> {
+        cfg.validate()?;
+        cfg.check_tokens(max_tokens)?;
+        // validate(): E <= 512, k <= 16, D, I <= 2^20, W <= 2^21; max_tokens <= 2^16: no
+        // size below overflows usize.
+        let (rows, permute_words) = PermuteBuffers::sizes(max_tokens, cfg.experts, cfg.top_k)?;
+        Ok(MoePlan {
+            cfg,
+            max_tokens,
+            rows,
+            permute_words,
+        })
+    }
+
+    /// The configuration.
+    ///
+    /// ```
+    /// # use moefuse::{gpu::MoePlan, MoeConfig};
+    /// assert_eq!(MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?.config().experts, 4);
+    /// # Ok::<(), moefuse::MoeError>(())
+    /// ```
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// The largest token count a call takes.
+    ///
+    /// ```
+    /// # use moefuse::{gpu::MoePlan, MoeConfig};
+    /// assert_eq!(MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?.max_tokens(), 8);
+    /// # Ok::<(), moefuse::MoeError>(())
+    /// ```
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// `R = max_tokens · top_k`, the rows every expert-major buffer holds.
+    ///
+    /// ```
+    /// # use moefuse::{gpu::MoePlan, MoeConfig};
+    /// assert_eq!(MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?.rows(), 16);
+    /// # Ok::<(), moefuse::MoeError>(())
+    /// ```
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Bytes of the [`MoeWorkspace`](super::MoeWorkspace) a layer of this plan needs in
+    /// `mode`. Its content is scratch within one call, so every layer on one stream can
+    /// share one workspace of the largest size their plans ask.
+    ///
+    /// Today both modes ask `R·(max(D, I) + max(W, D))·2`: Inference holds the forward's
+    /// `x_perm`/`h` (region A) and `h_pre`/`y_e` (region B) there; Training holds the
+    /// backward's `dy_perm`/`d_h_pre` and `dh`/`dx_perm` there (its forward writes into the
+    /// layer's saved state and leaves the workspace alone).
+    ///
+    /// ```
+    /// # use moefuse::{gpu::{Mode, MoePlan}, MoeConfig};
+    /// let plan = MoePlan::new(MoeConfig::new(128, 64, 8, 2), 10)?; // D 128, I 64, W 128
+    /// assert_eq!(plan.workspace_bytes(Mode::Training), 20 * (128 + 128) * 2);
+    /// # Ok::<(), moefuse::MoeError>(())
+    /// ```
+    pub fn workspace_bytes(&self, mode: Mode) -> usize {
+        let slots = match mode {
+            Mode::Inference => self.forward_slots(),
+            Mode::Training => self.backward_slots(),
+        };
+        regions(&slots).iter().sum::<usize>() * 2
+    }
+
+    /// The memory a layer of this plan holds in `mode` (see [`LayerMemory`]), without the
+    /// GEMM workspace, which [`MoeLayer::memory`](super::MoeLayer::memory) adds.
+    ///
+    /// ```
+    /// # use moefuse::{gpu::{Mode, MoePlan}, MoeConfig, RouterKind};
+    /// let cfg = MoeConfig::new(64, 64, 4, 2).with_router(RouterKind::External);
+    /// let m = MoePlan::new(cfg, 16)?.memory(Mode::Training);
+    /// assert_eq!((m.activations, m.logits), (32 * (2 * 64 + 128 + 64) * 2, 0));
+    /// # Ok::<(), moefuse::MoeError>(())
+    /// ```
+    pub fn memory(&self, mode: Mode) -> LayerMemory {
+        let (r, e) = (self.rows, self.cfg.experts);
+        let training = mode == Mode::Training;
+        let activations = if training {
+            self.forward_slots().iter().sum::<usize>() * 2
+        } else {
+            0
+        };
+        let logits = if training && self.cfg.router.computes_routing() {
+            self.max_tokens * e * 4
+        } else {
+            0
+        };
+        // ids, weights, row_of, source_of [R] (4 bytes each); counts, offsets [E]; the
+        // error word and stamp (2 u32); the permutation's scratch.
+        let routing = 4 * r * 4 + 2 * e * 4 + 8 + self.permute_words * 4;
+        LayerMemory {
+            mode,
+            activations,
+            logits,
+            routing,
+            gemm_workspace: 0,
+        }
+    }
+
+    /// The elements of `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]`.
+    pub(super) fn forward_slots(&self) -> Slots {
+        let (r, d, i, w) = self.dims();
+        [r * d, r * w, r * i, r * d]
+    }
+
+    /// The elements of `dy_perm [R, D]`, `dh [R, I]`, `d_h_pre [R, W]`, `dx_perm [R, D]`.
+    pub(super) fn backward_slots(&self) -> Slots {
+        let (r, d, i, w) = self.dims();
+        [r * d, r * i, r * w, r * d]
+    }
+
+    /// `1 <= tokens <= max_tokens`, else [`MoeError::TokensOutOfRange`].
+    pub(super) fn check_tokens(&self, tokens: usize) -> Result<(), MoeError> {
+        self.cfg.check_tokens(tokens)?;
+        if tokens > self.max_tokens {
+            return Err(MoeError::TokensOutOfRange {
+                tokens,
+                max: self.max_tokens,
+            });
+        }
+        Ok(())
+    }
+
+    fn dims(&self) -> (usize, usize, usize, usize) {
+        let c = &self.cfg;
+        (self.rows, c.hidden, c.intermediate, c.gate_up_width())
+    }
+}
+
+/// The element counts of regions A (slots 0 and 2) and B (slots 1 and 3).
+pub(super) fn regions(slots: &Slots) -> [usize; 2] {
+    [slots[0].max(slots[2]), slots[1].max(slots[3])]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Activation, RouterKind};
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn plan_rejects_what_the_config_and_token_rules_reject() {
+        let ok = MoeConfig::new(128, 64, 8, 2);
+        assert_eq!(
+            MoePlan::new(MoeConfig::new(100, 64, 8, 2), 8),
+            Err(MoeError::DimNotMultiple {
+                what: "hidden",
+                value: 100,
+                multiple: 64
+            })
+        );
+        assert_eq!(
+            MoePlan::new(MoeConfig::new(128, 64, 513, 2), 8),
+            Err(MoeError::ExpertsOutOfRange {
+                experts: 513,
+                max: 512
+            })
+        );
+        assert_eq!(
+            MoePlan::new(ok, 65537),
+            Err(MoeError::TokensOutOfRange {
+                tokens: 65537,
+                max: 65536
+            })
+        );
+        let bad_act = ok.with_activation(Activation::BoundedSwiGlu { limit: -1.0 });
+        assert!(matches!(
+            MoePlan::new(bad_act, 8),
+            Err(MoeError::InvalidParameter { .. })
+        ));
+        let plan = MoePlan::new(ok, 8).unwrap();
+        assert_eq!(
+            plan.check_tokens(9),
+            Err(MoeError::TokensOutOfRange { tokens: 9, max: 8 })
+        );
+        assert_eq!(
+            plan.check_tokens(0),
+            Err(MoeError::TokensOutOfRange {
+                tokens: 0,
+                max: 65536
+            })
+        );
+        assert_eq!(plan.check_tokens(8), Ok(()));
+    }
+
+    /// Qwen3-30B-A3B at T = 8192 (the numbers docs/design-moe-next.md quotes).
+    #[test]
+    fn qwen3_memory_per_mode() {
+        let plan = MoePlan::new(MoeConfig::new(2048, 768, 128, 8), 8192).unwrap();
+        let r = 65536;
+        assert_eq!(plan.rows(), r);
+        let train = plan.memory(Mode::Training);
+        assert_eq!(train.activations, 800 * MIB);
+        assert_eq!(train.logits, 4 * MIB);
+        // ids, weights, row_of, source_of: 4 × 256 KiB; counts, offsets: 1 KiB; 8 bytes;
+        // permute scratch: 32 chunks × 128 experts × 4 bytes.
+        assert_eq!(train.routing, 4 * r * 4 + 1024 + 8 + 32 * 128 * 4);
+        assert_eq!(train.saved_for_backward(), 804 * MIB + train.routing);
+        let inf = plan.memory(Mode::Inference);
+        assert_eq!((inf.activations, inf.logits), (0, 0));
+        assert_eq!(inf.saved_for_backward(), 0);
+        assert_eq!(inf.routing, train.routing);
+        assert_eq!(inf.total(), inf.routing);
+        // The workspace: two regions of R·2048 bf16 each, in both modes.
+        assert_eq!(plan.workspace_bytes(Mode::Inference), 512 * MIB);
+        assert_eq!(plan.workspace_bytes(Mode::Training), 512 * MIB);
+        let text = train.to_string();
+        assert!(text.starts_with("training: 805.0 MiB saved"), "{text}");
+    }
+
+    #[test]
+    fn mode_errors_name_the_mode_and_sizes() {
+        let e = MoeError::NotTraining {
+            mode: Mode::Inference,
+        };
+        assert!(e.to_string().contains("in inference mode"), "{e}");
+        let e = MoeError::WorkspaceTooSmall {
+            needed: 2048,
+            got: 10,
+        };
+        assert_eq!(
+            e.to_string(),
+            "the workspace holds 10 bytes, the plan needs 2048 (MoePlan::workspace_bytes)"
+        );
+        assert!(Mode::Training.saves_for_backward() && !Mode::Inference.saves_for_backward());
+    }
+
+    #[test]
+    fn external_routing_saves_no_logits() {
+        let cfg = MoeConfig::new(128, 64, 8, 2).with_router(RouterKind::External);
+        let plan = MoePlan::new(cfg, 10).unwrap();
+        assert_eq!(plan.memory(Mode::Training).logits, 0);
+        assert_eq!(plan.memory(Mode::Training).activations, 20 * 448 * 2);
+    }
+
+    #[test]
+    fn workspace_regions_hold_every_slot() {
+        // Wide intermediate (I > D) and Relu2 (W = I): the regions follow the larger slot.
+        for cfg in [
+            MoeConfig::new(64, 256, 4, 2),
+            MoeConfig::new(256, 64, 4, 2),
+            MoeConfig::new(128, 192, 4, 1).with_activation(Activation::Relu2),
+        ] {
+            let plan = MoePlan::new(cfg, 7).unwrap();
+            for (mode, slots) in [
+                (Mode::Inference, plan.forward_slots()),
+                (Mode::Training, plan.backward_slots()),
+            ] {
+                let [a, b] = regions(&slots);
+                assert!(a >= slots[0] && a >= slots[2] && b >= slots[1] && b >= slots[3]);
+                assert_eq!(plan.workspace_bytes(mode), (a + b) * 2);
+                // Never more than the four slots apart, never less than the two largest.
+                assert!(a + b <= slots.iter().sum());
+            }
+        }
+        let plan = MoePlan::new(MoeConfig::new(64, 256, 4, 2), 7).unwrap();
+        // D 64, I 256, W 512, R 14: forward A = max(D, I), B = max(W, D).
+        assert_eq!(plan.workspace_bytes(Mode::Inference), 14 * (256 + 512) * 2);
+        assert_eq!(plan.workspace_bytes(Mode::Training), 14 * (512 + 256) * 2);
+    }
+}

@@ -1,0 +1,264 @@
+//! The layer's stages, one launch (or one copy) each, on checked buffers: what
+//! [`MoeLayer::forward`](super::MoeLayer::forward) and
+//! [`MoeLayer::backward`](super::MoeLayer::backward) list in order. Each stage re-checks
+//! its own buffers (the free functions' checks), and the launch layer checks them once
+//! more; the passes have checked everything host-knowable before the first stage runs.
+
+use super::{MoePlan, Routing, Weights};
+use crate::gpu::activation::{activation_backward_with, activation_forward_with};
+use crate::gpu::permute::{combine_backward_impl, combine_impl, permute_with};
+use crate::gpu::router::{route_backward_with, route_with};
+use crate::gpu::{ActivationDesc, DeviceErrors, PermuteBuffers, Rows};
+use crate::MoeError;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+use moefuse_grouped_gemm::{GroupedGemm, GroupedPlan};
+use moefuse_kernels::Kernels;
+use std::sync::Arc;
+
+/// What every stage shares: the plan, the stream, the one kernel handle, the GEMMs and
+/// the activation.
+pub(super) struct Cx<'l> {
+    pub(super) plan: &'l MoePlan,
+    pub(super) stream: &'l Arc<CudaStream>,
+    pub(super) gemm: &'l GroupedGemm,
+    pub(super) act: &'l ActivationDesc,
+}
+
+/// The routing a forward runs on: the layer's buffers, or the caller's read in place.
+pub(super) struct Routed<'a> {
+    pub(super) ids: &'a CudaSlice<i32>,
+    pub(super) weights: &'a CudaSlice<f32>,
+    /// The layer routed from logits (the backward then gives `d_logits`).
+    pub(super) routed: bool,
+    /// The caller's device routing was read in place (Inference only).
+    pub(super) in_place: bool,
+}
+
+impl Cx<'_> {
+    fn kernels(&self) -> Option<&Kernels> {
+        Some(self.gemm.kernels())
+    }
+
+    /// Routing into `ids`/`weights` from logits, the host, or the caller's device buffers.
+    /// `saved_logits` (Training with a routing config) receives a copy of the logits for
+    /// the router backward; without it the router reads the caller's logits. Device
+    /// routing is copied when `keep` (Training: the backward reads it after the caller
+    /// may have moved on) and read in place otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn route<'a>(
+        &self,
+        t: usize,
+        routing: Routing<'a>,
+        w: &Weights<'_>,
+        ids: &'a mut CudaSlice<i32>,
+        weights: &'a mut CudaSlice<f32>,
+        saved_logits: Option<&mut CudaSlice<f32>>,
+        keep: bool,
+    ) -> Result<Routed<'a>, MoeError> {
+        let (s, cfg) = (self.stream, self.plan.config());
+        let (e, k) = (cfg.experts, cfg.top_k);
+        let (mut routed, mut in_place) = (false, false);
+        match routing {
+            Routing::Logits(logits) => {
+                let bias = w.router_bias.as_ref().map(|b| b as &dyn DevicePtr<f32>);
+                let logits: &dyn DevicePtr<f32> = match saved_logits {
+                    Some(saved) => {
+                        s.memcpy_dtod(&logits.slice(..t * e), &mut saved.slice_mut(..t * e))?;
+                        &*saved
+                    }
+                    None => logits,
+                };
+                route_with(self.kernels(), cfg, s, t, logits, bias, ids, weights)?;
+                routed = true;
+            }
+            Routing::Host {
+                topk_ids,
+                topk_weights,
+            } => {
+                s.memcpy_htod(&topk_ids[..t * k], &mut ids.slice_mut(..t * k))?;
+                s.memcpy_htod(&topk_weights[..t * k], &mut weights.slice_mut(..t * k))?;
+            }
+            Routing::External {
+                topk_ids,
+                topk_weights,
+            } if !keep => {
+                in_place = true;
+                return Ok(Routed {
+                    ids: topk_ids,
+                    weights: topk_weights,
+                    routed,
+                    in_place,
+                });
+            }
+            Routing::External {
+                topk_ids,
+                topk_weights,
+            } => {
+                s.memcpy_dtod(&topk_ids.slice(..t * k), &mut ids.slice_mut(..t * k))?;
+                s.memcpy_dtod(
+                    &topk_weights.slice(..t * k),
+                    &mut weights.slice_mut(..t * k),
+                )?;
+            }
+        }
+        Ok(Routed {
+            ids,
+            weights,
+            routed,
+            in_place,
+        })
+    }
+
+    /// The permutation of `ids` into `perm`, with `x` gathered into `x_perm`.
+    pub(super) fn permute(
+        &self,
+        t: usize,
+        ids: &CudaSlice<i32>,
+        x: &dyn DevicePtr<bf16>,
+        perm: &mut PermuteBuffers,
+        x_perm: &mut dyn DevicePtrMut<bf16>,
+    ) -> Result<(), MoeError> {
+        let c = self.plan.config();
+        let (e, k, d) = (c.experts, c.top_k, c.hidden);
+        let s = self.stream;
+        permute_with(
+            self.kernels(),
+            s,
+            t,
+            e,
+            k,
+            d,
+            ids,
+            Some(x),
+            perm,
+            Some(x_perm),
+        )
+    }
+
+    /// One grouped GEMM over the expert-major rows `offsets` delimits.
+    pub(super) fn gemm<A, B, D>(
+        &self,
+        plan: &GroupedPlan,
+        offsets: &CudaSlice<i32>,
+        a: &A,
+        b: &B,
+        d: &mut D,
+        workspace: &mut CudaSlice<u8>,
+    ) -> Result<(), MoeError>
+    where
+        A: DevicePtr<bf16>,
+        B: DevicePtr<bf16>,
+        D: DevicePtrMut<bf16>,
+    {
+        Ok(self
+            .gemm
+            .run(plan, self.stream, offsets, a, b, d, workspace)?)
+    }
+
+    /// The routed rows, read on the device from the last offset (no host synchronisation).
+    fn rows<'o>(&self, last: &'o dyn DevicePtr<i32>) -> Rows<'o> {
+        Rows::from_device(last, self.plan.rows())
+    }
+
+    /// `h = act(h_pre)` over the routed rows.
+    pub(super) fn activation(
+        &self,
+        offsets: &CudaSlice<i32>,
+        h_pre: &dyn DevicePtr<bf16>,
+        h: &mut dyn DevicePtrMut<bf16>,
+    ) -> Result<(), MoeError> {
+        let last = offsets.slice(self.plan.config().experts - 1..);
+        let rows = self.rows(&last);
+        activation_forward_with(self.kernels(), self.act, self.stream, rows, h_pre, h)
+    }
+
+    /// `d_h_pre` from `dh` and the saved `h_pre` over the routed rows.
+    pub(super) fn activation_backward(
+        &self,
+        offsets: &CudaSlice<i32>,
+        h_pre: &dyn DevicePtr<bf16>,
+        dh: &dyn DevicePtr<bf16>,
+        d_h_pre: &mut dyn DevicePtrMut<bf16>,
+    ) -> Result<(), MoeError> {
+        let last = offsets.slice(self.plan.config().experts - 1..);
+        let rows = self.rows(&last);
+        let (k, s) = (self.kernels(), self.stream);
+        activation_backward_with(k, self.act, s, rows, h_pre, dh, d_h_pre)
+    }
+
+    /// `out[t] = Σ_slot w · rows[row_of[t, slot]]` (unweighted without `weights`); with
+    /// `stamp`, checked on the device against the permutation's token count.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn combine(
+        &self,
+        t: usize,
+        row_of: &CudaSlice<i32>,
+        weights: Option<&CudaSlice<f32>>,
+        rows: &dyn DevicePtr<bf16>,
+        out: &mut dyn DevicePtrMut<bf16>,
+        errors: &mut DeviceErrors,
+        stamp: bool,
+    ) -> Result<(), MoeError> {
+        let c = self.plan.config();
+        let (k, d, s) = (c.top_k, c.hidden, self.stream);
+        combine_impl(
+            self.kernels(),
+            s,
+            t,
+            k,
+            d,
+            row_of,
+            weights,
+            rows,
+            out,
+            errors,
+            stamp,
+        )
+    }
+
+    /// `dy_perm[row] = w · dy[t]` and `d_topk_weights = ⟨dy[t], y_e[row]⟩`, stamp-checked.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn combine_backward(
+        &self,
+        t: usize,
+        row_of: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        dy: &dyn DevicePtr<bf16>,
+        y_e: &dyn DevicePtr<bf16>,
+        dy_perm: &mut dyn DevicePtrMut<bf16>,
+        d_topk_weights: &mut CudaSlice<f32>,
+        errors: &mut DeviceErrors,
+    ) -> Result<(), MoeError> {
+        let c = self.plan.config();
+        let (k, d, s) = (c.top_k, c.hidden, self.stream);
+        combine_backward_impl(
+            self.kernels(),
+            s,
+            t,
+            k,
+            d,
+            row_of,
+            weights,
+            dy,
+            y_e,
+            dy_perm,
+            d_topk_weights,
+            errors,
+            true,
+        )
+    }
+
+    /// `d_logits` from `d_topk_weights` through the router (the selection held constant).
+    pub(super) fn route_backward(
+        &self,
+        t: usize,
+        logits: &CudaSlice<f32>,
+        ids: &CudaSlice<i32>,
+        d_topk_weights: &CudaSlice<f32>,
+        d_logits: &mut CudaSlice<f32>,
+    ) -> Result<(), MoeError> {
+        let (k, c, s) = (self.kernels(), self.plan.config(), self.stream);
+        route_backward_with(k, c, s, t, logits, ids, d_topk_weights, d_logits)
+    }
+}
