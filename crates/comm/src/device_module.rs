@@ -179,7 +179,10 @@ impl HostWords {
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: a fresh allocation of `bytes`; zeroed below before anyone reads it.
         let host = unsafe { result::malloc_host(bytes, flags) }.map_err(cuda)? as *mut u64;
-        let words = HostWords {
+        // NOTES: built before the device pointer is known so that an early return frees the
+        // allocation; completed in place below (a struct update `..words` would copy the
+        // fields and then drop `words`, freeing the memory the result still points to).
+        let mut words = HostWords {
             host,
             device: 0,
             len,
@@ -191,10 +194,8 @@ impl HostWords {
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host as *mut c_void, 0) }
             .result()
             .map_err(cuda)?;
-        Ok(HostWords {
-            device: device as u64,
-            ..words
-        })
+        words.device = device as u64;
+        Ok(words)
     }
 
     /// The device address of word 0.

@@ -119,7 +119,8 @@ fn one_pe(ctx: &Arc<CudaContext>) -> Result<std::sync::MutexGuard<'static, OnePe
 fn misaligned_operands(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let pe = one_pe(ctx)?;
     let stream = &pe.stream;
-    let mut ep = ExpertParallel::new(&pe.rt, stream, cfg(Duration::from_secs(5))).map_err(e)?;
+    let mut ep =
+        ExpertParallel::new(&pe.rt, stream, cfg(moefuse_testkit::scaled_secs(5))).map_err(e)?;
     let input = inputs(stream, 7, TOKENS + 1)?;
     let shifted = input.x.slice(1..);
     match ep.dispatch(&shifted, &input.ids, &input.ws, TOKENS) {
@@ -157,7 +158,8 @@ fn misaligned_operands(ctx: &Arc<CudaContext>) -> Result<(), String> {
 fn epochs_survive_a_new_instance(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let pe = one_pe(ctx)?;
     let stream = &pe.stream;
-    let mut first = ExpertParallel::new(&pe.rt, stream, cfg(Duration::from_secs(5))).map_err(e)?;
+    let mut first =
+        ExpertParallel::new(&pe.rt, stream, cfg(moefuse_testkit::scaled_secs(5))).map_err(e)?;
     let start = first.epoch().map_err(e)?;
     for i in 0..3 {
         roundtrip(&mut first, stream, 20 + i)?;
@@ -167,7 +169,8 @@ fn epochs_survive_a_new_instance(ctx: &Arc<CudaContext>) -> Result<(), String> {
         return Err(format!("3 calls moved the epoch from {start} to {end}"));
     }
     drop(first);
-    let mut second = ExpertParallel::new(&pe.rt, stream, cfg(Duration::from_secs(5))).map_err(e)?;
+    let mut second =
+        ExpertParallel::new(&pe.rt, stream, cfg(moefuse_testkit::scaled_secs(5))).map_err(e)?;
     let base = second.epoch().map_err(e)?;
     if base < end {
         return Err(format!(
@@ -189,7 +192,7 @@ fn drop_waits_for_the_kernels(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = &pe.stream;
     let big = EpConfig {
         max_tokens: 8192,
-        ..cfg(Duration::from_secs(5))
+        ..cfg(moefuse_testkit::scaled_secs(5))
     };
     let mut ep = ExpertParallel::new(&pe.rt, stream, big).map_err(e)?;
     let mut rng = Rng::new(5);
@@ -230,7 +233,7 @@ fn drop_waits_for_the_kernels(ctx: &Arc<CudaContext>) -> Result<(), String> {
 fn two_pes(scenario: &str) -> Result<(), String> {
     let me = std::env::current_exe().map_err(e)?;
     let mut spec = LaunchSpec::new(2, me, Vec::<String>::new());
-    spec.timeout = Some(Duration::from_secs(120));
+    spec.timeout = Some(moefuse_testkit::scaled_secs(120));
     spec.env
         .push(("MOEFUSE_TEST_SCENARIO".into(), scenario.into()));
     let mut log = Vec::new();
@@ -275,7 +278,7 @@ impl Rank {
 
     /// The acceptance of every scenario: a new instance on the same runtime works.
     fn next_layer_works(&self, old_epoch: u64) -> Result<(), String> {
-        let mut ep = self.ep(cfg(Duration::from_secs(10)))?;
+        let mut ep = self.ep(cfg(moefuse_testkit::scaled_secs(10)))?;
         let base = ep.epoch().map_err(e)?;
         if base < old_epoch {
             return Err(format!(
@@ -325,7 +328,7 @@ fn peer_failure(
 /// Rank 1 fails inside dispatch (more tokens than the capacity): both ranks get a typed
 /// error within the deadline, and both go on with a new instance.
 fn peer_error_in_dispatch(rank: &Rank) -> Result<(), String> {
-    let timeout = Duration::from_secs(5);
+    let timeout = moefuse_testkit::scaled_secs(5);
     let mut ep = rank.ep(cfg(timeout))?;
     roundtrip(&mut ep, &rank.stream, 1)?;
     let t0 = Instant::now();
@@ -368,10 +371,10 @@ fn peer_error_in_dispatch(rank: &Rank) -> Result<(), String> {
 /// Rank 1 never makes the call (a dead or stuck peer): rank 0 gets PeerTimeout after the
 /// deadline, not a hang.
 fn dead_peer(rank: &Rank) -> Result<(), String> {
-    let timeout = Duration::from_secs(2);
+    let timeout = moefuse_testkit::scaled_secs(2);
     let mut ep = rank.ep(cfg(timeout))?;
     if rank.me == 1 {
-        std::thread::sleep(2 * timeout + Duration::from_secs(1));
+        std::thread::sleep(2 * timeout + moefuse_testkit::scaled_secs(1));
     } else {
         let input = inputs(&rank.stream, 5, TOKENS)?;
         let t0 = Instant::now();
@@ -390,7 +393,7 @@ fn dead_peer(rank: &Rank) -> Result<(), String> {
         }
         println!(
             "rank 0: {}",
-            peer_failure(got, 1, t0, timeout + Duration::from_secs(5))?
+            peer_failure(got, 1, t0, timeout + moefuse_testkit::scaled_secs(5))?
         );
     }
     let old = ep.epoch().map_err(e)?;
@@ -401,7 +404,7 @@ fn dead_peer(rank: &Rank) -> Result<(), String> {
 /// Rank 1 sizes its buffers for twice the tokens: before the fix rank 0's writes would
 /// land past rank 1's buffers (or the reverse); now both get ConfigMismatch.
 fn config_mismatch(rank: &Rank) -> Result<(), String> {
-    let mut mine = cfg(Duration::from_secs(5));
+    let mut mine = cfg(moefuse_testkit::scaled_secs(5));
     if rank.me == 1 {
         mine.max_tokens *= 2;
     }
@@ -421,7 +424,7 @@ fn config_mismatch(rank: &Rank) -> Result<(), String> {
         }
     }
     // An invalid configuration on one rank: that rank gets Config, its peer ConfigMismatch.
-    let mut mine = cfg(Duration::from_secs(5));
+    let mut mine = cfg(moefuse_testkit::scaled_secs(5));
     if rank.me == 1 {
         mine.hidden = 1030;
     }
@@ -441,7 +444,7 @@ fn config_mismatch(rank: &Rank) -> Result<(), String> {
 /// Rank 1 abandons the combine (`short_out`: an `out` too short; otherwise: the Dispatch
 /// dropped without combine): rank 0's combine ends with PeerAborted, not a hang.
 fn bad_combine(rank: &Rank, short_out: bool) -> Result<(), String> {
-    let timeout = Duration::from_secs(5);
+    let timeout = moefuse_testkit::scaled_secs(5);
     let mut ep = rank.ep(cfg(timeout))?;
     let input = inputs(&rank.stream, 6 + rank.me as u64, TOKENS)?;
     let y = rank

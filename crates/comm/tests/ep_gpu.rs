@@ -19,7 +19,6 @@ use moefuse_comm::{
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Routing {
@@ -605,7 +604,7 @@ fn n_pes(n: usize) -> Result<(), String> {
     let mut spec = LaunchSpec::new(n, me, Vec::<String>::new());
     // GPUs from MOEFUSE_LAUNCH_GPUS (a multi-GPU machine), else all ranks on GPU 0.
     spec.gpus = None;
-    spec.timeout = Some(Duration::from_secs(100));
+    spec.timeout = Some(moefuse_testkit::scaled_secs(100));
     spec.env
         .push(("MOEFUSE_TEST_SEED".into(), seed.to_string().into()));
     let mut log = Vec::new();

@@ -176,3 +176,27 @@ pub fn check_close(got: &[f32], want: &[f32], bound: f64, what: &str) -> Result<
 pub fn to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
+
+/// How many times longer than usual tests may wait for the GPU: `MOEFUSE_TEST_TIME_SCALE`
+/// (a whole number ≥ 1, default 1). `run.sh sanitize` sets it, because kernels under
+/// compute-sanitizer run many times slower and deadlines tuned for a plain run would fire.
+///
+/// ```
+/// assert!(moefuse_testkit::time_scale() >= 1);
+/// ```
+pub fn time_scale() -> u32 {
+    std::env::var("MOEFUSE_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// `n` seconds times [`time_scale`].
+///
+/// ```
+/// assert!(moefuse_testkit::scaled_secs(2) >= std::time::Duration::from_secs(2));
+/// ```
+pub fn scaled_secs(n: u64) -> std::time::Duration {
+    std::time::Duration::from_secs(n * u64::from(time_scale()))
+}
