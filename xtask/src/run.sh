@@ -11,7 +11,8 @@
 #                      kernels use shared memory); one line per binary and tool, then
 #                      "SANITIZE: N runs, N clean, N with errors" (SANITIZE_TOOLS,
 #                      SANITIZE_TIMEOUT seconds per run, default 900; the tests' own
-#                      deadlines are stretched SANITIZE_TIME_SCALE times, default 10)
+#                      deadlines are stretched SANITIZE_TIME_SCALE times, default 10;
+#                      SANITIZE_ARGS go to each test binary, e.g. "--skip NAME")
 #   run.sh all         test, then bench
 #   run.sh NAME ARGS   one program from bin/ (e.g. gemm_demo 8192 8192 8192)
 set -u
@@ -41,7 +42,7 @@ run_tests() {
   for t in "$here"/tests/*${pat}*; do
     local name log line p f i
     name=$(basename "$t"); log="$logs/$name.log"
-    "$t" --test-threads=1 >"$log" 2>&1; rc=$?
+    "$t" --test-threads=1 ${SANITIZE_ARGS:-} >"$log" 2>&1; rc=$?
     { echo "===== $name (exit $rc)"; cat "$log"; } >>"$out/tests.log"
     line=$(grep -E "^test result:" "$log" | tail -1)
     p=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$line"); f=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$line")
@@ -94,10 +95,11 @@ run_sanitize() {
   echo "sanitizer: $("$cs" --version 2>&1 | tail -1)"
   # Only the binaries that run GPU work (version-test makes no CUDA call: the sanitizer
   # reports "terminated before first instrumented API call" and exits 255).
-  for t in "$here"/tests/*${pat}*_gpu-test; do
+  for t in "$here"/tests/*${pat}*; do
     [ -x "$t" ] || continue
     local name extra=() env_extra=(MOEFUSE_TEST_TIME_SCALE=${SANITIZE_TIME_SCALE:-10})
     name=$(basename "$t")
+    case "$name" in *_gpu-test) ;; *) continue ;; esac
     case "$name" in ep_*) env_extra+=(NVSHMEM_DISABLE_NCCL=1) ;; esac
     for tool in $tools; do
       local log="$logs/$name.$tool.log" rc errs summary
@@ -107,7 +109,7 @@ run_sanitize() {
         *) extra=() ;;
       esac
       env "${env_extra[@]}" timeout "${SANITIZE_TIMEOUT:-900}" "$cs" --tool "$tool" \
-        --error-exitcode 99 --print-limit 20 "${extra[@]}" "$t" --test-threads=1 >"$log" 2>&1
+        --error-exitcode 99 --print-limit 20 "${extra[@]}" "$t" --test-threads=1 ${SANITIZE_ARGS:-} >"$log" 2>&1
       rc=$?
       { echo "===== $name [$tool] (exit $rc)"; cat "$log"; } >>"$out/sanitize.log"
       summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
