@@ -46,6 +46,7 @@
 
 #include "moefuse/comm/ep_params.h"
 #include "moefuse/common/rows.cuh"
+#include "moefuse/spec.h"
 
 #if !defined(__CUDA_ARCH__) || (__CUDA_ARCH__ >= 900)
 
@@ -65,7 +66,7 @@ __device__ __forceinline__ int row_width(const moefuse_ep_params& p) { return p.
 
 __device__ __forceinline__ void flag(const moefuse_ep_params& p, uint32_t bit) { atomicOr(p.status + 1, bit); }
 
-constexpr int kMaxTopK = 16;
+constexpr int kMaxTopK = MOEFUSE_SPEC_MAX_TOP_K;
 
 // Load/store addresses of this kernel's symmetric buffers on every PE (null where only
 // NVSHMEM puts reach it), looked up once per block.
@@ -263,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
 // ---- notify: grid 1, block 1024 -------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_notify(moefuse_ep_params p) {
   __shared__ uint64_t epoch_s;
-  __shared__ int col_total[512];
+  __shared__ int col_total[MOEFUSE_SPEC_MAX_EXPERTS];  // one per expert
   const int C = row_width(p), R = p.ranks, E = p.experts, El = p.local_experts, me = p.rank;
   const int chunks = (p.tokens + kChunk - 1) / kChunk;
   if (threadIdx.x == 0) {
