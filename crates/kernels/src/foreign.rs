@@ -3,7 +3,7 @@
 //! device, and its allocation holds the operand's extent; and the binding of a grouped GEMM
 //! on such addresses ([`bind_grouped_raw`]).
 
-use crate::launch::{check_align, check_len, Call};
+use crate::bind::{check_align, check_len, Call};
 use crate::ops::{
     grouped_args, grouped_entry, grouped_extents, GROUPED_WORKSPACE_ALIGN, OPERAND_ALIGN,
 };

@@ -29,16 +29,19 @@
 
 pub mod ffi;
 
+mod bind;
 #[cfg(feature = "c-bridge")]
 pub mod bridge;
 mod error;
 mod foreign;
+mod handle;
 mod launch;
 mod moe_ops;
 mod ops;
 
 pub use error::{KernelError, Status};
-pub use launch::{arch_of, Kernels, Launch};
+pub use handle::{arch_of, Kernels};
+pub use launch::Launch;
 pub use moe_ops::{
     Activation, ActivationKind, CombineBackward, CombineForward, GateUpLayout, Permute,
     RouterBackward, RouterForward, RouterScoring,

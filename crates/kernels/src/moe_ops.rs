@@ -2,7 +2,7 @@
 //! combine; `cuda/moe/*.cu`, abi.h and moe_abi.h), each checked as its C header states.
 //! The router and the activation live here, the permutation and the combines in `permute`.
 
-use crate::launch::{check_multiple, check_range, extent, to_i32, Binder, Call};
+use crate::bind::{check_multiple, check_range, extent, to_i32, Binder, Call};
 use crate::{ffi, KernelError};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;

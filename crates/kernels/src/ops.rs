@@ -1,7 +1,7 @@
 //! The GEMM operations of the launch layer: dense and grouped, each a shape (sizes and
 //! scalars, checked on the host as the kernel's `can_implement`) and its buffers.
 
-use crate::launch::{check_len, check_multiple, check_range, extent, to_i32, Binder, Call};
+use crate::bind::{check_len, check_multiple, check_range, extent, to_i32, Binder, Call};
 use crate::{ffi, CompiledVariant, Entry, KernelError, Kernels, Op, Schedule, VariantSpec};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;

@@ -1,14 +1,10 @@
 //! The rank side of a launched job: where this process sits ([`LaunchEnv`]), and values
 //! every rank agrees on ([`exchange_unique_id`], [`broadcast_from_rank0`]).
 
-use crate::rendezvous::check_key;
+use crate::rendezvous::{check_key, EXCHANGE_TIMEOUT};
 use crate::{err, LaunchError, Rendezvous, Token};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
-
-/// How long [`exchange_unique_id`] waits for rank 0's id.
-pub(crate) const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Where this process sits in a launched job, read from the environment.
 #[derive(Debug, Clone, PartialEq, Eq)]

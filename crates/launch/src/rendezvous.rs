@@ -1,7 +1,6 @@
 //! The job's key-value rendezvous: a blocking client ([`Rendezvous`]) and a small TCP
 //! server ([`RendezvousServer`]) with a token, caps and timeouts (protocol in the crate docs).
 
-use crate::env::EXCHANGE_TIMEOUT;
 use crate::{err, LaunchError, Token};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -10,6 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
+
+/// How long `exchange_unique_id` waits for rank 0's id, and a `GET` without its own timeout.
+pub(crate) const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How long a client retries a refused connection (the server may still be starting).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

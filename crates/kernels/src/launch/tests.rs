@@ -1,6 +1,9 @@
 //! Unit tests of the launch layer's shared checks (`launch.rs`).
 
 use super::*;
+use crate::bind::*;
+use crate::handle::require_built;
+use crate::{arch_of, VariantArch};
 
 #[test]
 fn arch_is_checked_once_with_the_found_capability() {

@@ -1,7 +1,7 @@
 //! The permutation and the combines of the launch layer (moe_abi.h): expert-major rows,
 //! the fused gather of x, and the weighted sums back to tokens with their backward.
 
-use crate::launch::{check_multiple, check_range, extent, to_i32, Binder, Call};
+use crate::bind::{check_multiple, check_range, extent, to_i32, Binder, Call};
 use crate::{ffi, moe_permute_workspace, KernelError};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
