@@ -11,12 +11,14 @@
 //! | `check-consumer` | `cargo package --list`, `DOCS_RS` docs without a toolchain, an outside crate on a second checkout |
 //! | `demo` | the MoE-layer example: this GPU's arch only, or (no GPU) the CPU reference without kernels |
 //! | `device-pack` | builds GPU test and bench binaries into `.device-pack/` for the H200 |
+//! | `candle-pack` | builds `moefuse-candle`'s GPU test and example (`--features cuda`) into `.device-pack-candle/` |
 //! | `bench-report` | renders `docs/benchmarks.md` tables from `benches/results/*.jsonl` |
 //! | `bindgen [--check] [--install]` | regenerates the NVSHMEM host bindings of `nvshmem-sys` |
 
 mod bench_report;
 mod bindgen;
 mod build;
+mod candle_pack;
 mod consumer;
 mod device_pack;
 mod gen_spec;
@@ -108,6 +110,9 @@ enum Task {
         #[arg(long, default_value = "")]
         only: String,
     },
+    /// Build moefuse-candle's GPU test and example (--features cuda, linked against
+    /// generated stubs of the CUDA libraries this machine lacks) into .device-pack-candle/.
+    CandlePack,
     /// Render docs/benchmarks.md from benches/results/*.jsonl.
     BenchReport,
     /// Regenerate crates/nvshmem-sys/src/bindings.rs from the pinned NVSHMEM headers.
@@ -138,6 +143,7 @@ fn main() -> ExitCode {
         }),
         Task::Demo { args } => demo(&args),
         Task::DevicePack { sm, only } => device_pack::run(&sm, &only),
+        Task::CandlePack => candle_pack::run(),
         Task::BenchReport => bench_report::run(),
         Task::Bindgen { check, install } => bindgen::run(check, install),
         Task::Launch(args) => launch::run(args),

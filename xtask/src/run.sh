@@ -27,7 +27,8 @@ py_libs=$(python3 -I - <<'PY' 2>/dev/null
 import glob, os, site, sys
 dirs = set()
 roots = [p for p in sys.path if os.path.isabs(p)] + [site.getusersitepackages()]
-for pat in ("nvidia/*/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*", "nvidia/nvshmem/lib/libnvshmem_host.so*"):
+for pat in ("nvidia/*/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*", "nvidia/nvshmem/lib/libnvshmem_host.so*",
+            "nvidia/*/lib/libcurand.so*", "nvidia/*/lib/libnvrtc.so*", "nvidia/*/lib/libcudart.so*"):
     for p in roots:
         for f in glob.glob(os.path.join(p, pat)):
             dirs.add(os.path.dirname(f))
