@@ -14,6 +14,9 @@
 //! cargo test -p moefuse-comm --test ep_faults_gpu             # SKIPPED without a GPU
 //! ```
 
+mod common;
+
+use common::{e, one_pe};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_comm::{
@@ -29,10 +32,6 @@ const TOP_K: usize = 4;
 const HIDDEN: usize = 1024;
 const MAX_TOKENS: usize = 512;
 const TOKENS: usize = 300;
-
-fn e<E: std::fmt::Display>(x: E) -> String {
-    x.to_string()
-}
 
 fn cfg(timeout: Duration) -> EpConfig {
     EpConfig {
@@ -92,27 +91,6 @@ fn roundtrip(ep: &mut ExpertParallel, stream: &Arc<CudaStream>, seed: u64) -> Re
 }
 
 // ---- one PE ----
-
-struct OnePe {
-    rt: Arc<Runtime>,
-    stream: Arc<CudaStream>,
-}
-
-fn one_pe(ctx: &Arc<CudaContext>) -> Result<std::sync::MutexGuard<'static, OnePe>, String> {
-    use std::sync::{Mutex, OnceLock};
-    static PE: OnceLock<Result<Mutex<OnePe>, String>> = OnceLock::new();
-    let cell = PE.get_or_init(|| {
-        // SAFETY: every buffer of these tests lives on the one stream below.
-        unsafe { ctx.disable_event_tracking() };
-        let lib = Library::load(None).map_err(e)?;
-        let id = UniqueId::create(&lib).map_err(e)?;
-        let rt = Runtime::init(&lib, ctx, &id, 0, 1).map_err(e)?;
-        let stream = ctx.new_stream().map_err(e)?;
-        Ok(Mutex::new(OnePe { rt, stream }))
-    });
-    let m = cell.as_ref().map_err(|x| x.clone())?;
-    Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
-}
 
 /// A row pointer 2 bytes off its 16-byte alignment would fault the kernels' vector loads
 /// and kill the context (and, with peers, hang them): refused with a typed error.

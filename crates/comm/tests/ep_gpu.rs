@@ -10,6 +10,9 @@
 //! Every rank can rebuild every other rank's inputs from the seed, so each checks its own
 //! receive buffer row by row (origin, weight, bytes) and its combined output in full.
 
+mod common;
+
+use common::{e, one_pe};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use moefuse_comm::{
@@ -18,7 +21,7 @@ use moefuse_comm::{
     UniqueId,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Routing {
@@ -122,10 +125,6 @@ fn tokens_x(seed: u64, rank: usize, tokens: usize) -> Vec<bf16> {
 fn expert_out(x_row: &[bf16], slot: usize) -> impl Iterator<Item = bf16> + '_ {
     let s = (slot + 1) as f32 * 0.25;
     x_row.iter().map(move |v| bf16::from_f32(v.to_f32() * s))
-}
-
-fn e<E: std::fmt::Display>(x: E) -> String {
-    x.to_string()
 }
 
 /// Copies `v` to the device (one default element when empty: no zero-size allocations).
@@ -272,28 +271,6 @@ fn all_cases(
     Ok(done)
 }
 
-/// The process's one NVSHMEM runtime (NVSHMEM is initialised once per process).
-struct Shared {
-    rt: Arc<Runtime>,
-    stream: Arc<CudaStream>,
-}
-
-fn shared(ctx: &Arc<CudaContext>) -> Result<std::sync::MutexGuard<'static, Shared>, String> {
-    static SHARED: OnceLock<Result<Mutex<Shared>, String>> = OnceLock::new();
-    let cell = SHARED.get_or_init(|| {
-        // SAFETY: every buffer of these tests lives on the one stream below, so cudarc need
-        // not order uses across streams, and graph capture must not record its events.
-        unsafe { ctx.disable_event_tracking() };
-        let lib = Library::load(None).map_err(e)?;
-        let id = UniqueId::create(&lib).map_err(e)?;
-        let rt = Runtime::init(&lib, ctx, &id, 0, 1).map_err(e)?;
-        let stream = ctx.new_stream().map_err(e)?;
-        Ok(Mutex::new(Shared { rt, stream }))
-    });
-    let m = cell.as_ref().map_err(|x| x.clone())?;
-    Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
-}
-
 /// World and strided teams: sizes, numbering, translation back to world PEs, stream sync,
 /// and a split outside the parent rejected before NVSHMEM sees it.
 fn check_teams(
@@ -403,22 +380,22 @@ fn check_stream_ops(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> Result<(), S
 }
 
 fn stream_ops_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let s = shared(ctx)?;
+    let s = one_pe(ctx)?;
     check_stream_ops(&s.rt, &s.stream)
 }
 
 fn teams_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let s = shared(ctx)?;
+    let s = one_pe(ctx)?;
     check_teams(&s.rt, &s.stream, false)
 }
 
 fn ring_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let s = shared(ctx)?;
+    let s = one_pe(ctx)?;
     s.rt.ring_check(&s.stream, 4099).map_err(e)
 }
 
 fn roundtrips_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let s = shared(ctx)?;
+    let s = one_pe(ctx)?;
     let seed = Rng::fresh_seed();
     let done = all_cases(&s.rt, &s.stream, seed)?;
     println!("1 PE, seed {seed}: {}", done.join(", "));
@@ -430,7 +407,7 @@ fn roundtrips_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// eager run on the same inputs bit for bit.
 fn graph_replay_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    let s = shared(ctx)?;
+    let s = one_pe(ctx)?;
     let stream = &s.stream;
     let case = Case {
         name: "graph",
@@ -516,7 +493,7 @@ fn graph_replay_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
 
 /// Misuse is rejected before any launch with a typed error.
 fn misuse_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let s = shared(ctx)?;
+    let s = one_pe(ctx)?;
     let stream = &s.stream;
     let base = EpConfig::new(EXPERTS, 4, HIDDEN, 64);
     for (bad, what) in [
