@@ -16,12 +16,11 @@
 
 mod common;
 
-use common::{e, one_pe};
+use common::{e, one_pe, relaunch};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_comm::{
-    exchange_unique_id, launch, CommError, EpConfig, ExpertParallel, LaunchEnv, LaunchEvent,
-    LaunchSpec, Library, Runtime, UniqueId,
+    exchange_unique_id, CommError, EpConfig, ExpertParallel, LaunchEnv, Library, Runtime, UniqueId,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR};
 use std::sync::Arc;
@@ -209,19 +208,12 @@ fn drop_waits_for_the_kernels(ctx: &Arc<CudaContext>) -> Result<(), String> {
 
 /// Launches this binary as 2 ranks running `scenario`.
 fn two_pes(scenario: &str) -> Result<(), String> {
-    let me = std::env::current_exe().map_err(e)?;
-    let mut spec = LaunchSpec::new(2, me, Vec::<String>::new());
-    spec.timeout = Some(moefuse_testkit::scaled_secs(120));
-    spec.env
-        .push(("MOEFUSE_TEST_SCENARIO".into(), scenario.into()));
-    let mut log = Vec::new();
-    let result = launch(&spec, |event| {
-        if let LaunchEvent::Output { rank, line, .. } = event {
-            println!("[rank {rank}] {line}");
-            log.push(format!("[rank {rank}] {line}"));
-        }
-    });
-    result.map_err(|x| format!("2 PEs, {scenario}: {x}\n{}", log.join("\n")))
+    relaunch(
+        2,
+        moefuse_testkit::scaled_secs(120),
+        ("MOEFUSE_TEST_SCENARIO", scenario.to_string()),
+        &format!("2 PEs, {scenario}"),
+    )
 }
 
 /// What a rank of `two_pes` works with.

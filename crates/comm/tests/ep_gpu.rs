@@ -12,13 +12,12 @@
 
 mod common;
 
-use common::{e, one_pe};
+use common::{e, one_pe, relaunch};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use moefuse_comm::{
-    exchange_unique_id, launch, quiet_on_stream, CommError, EpConfig, ExpertParallel, LaunchEnv,
-    LaunchEvent, LaunchSpec, Library, ReceiveLayout, Runtime, SendPlan, Signal, SignalOp, Team,
-    UniqueId,
+    exchange_unique_id, quiet_on_stream, CommError, EpConfig, ExpertParallel, LaunchEnv, Library,
+    ReceiveLayout, Runtime, SendPlan, Signal, SignalOp, Team, UniqueId,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
@@ -576,22 +575,13 @@ fn misuse_one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// N ranks of this binary through the launcher and its unique-id rendezvous: on one GPU
 /// (time-sliced contexts, no MPS) by default, or spread over `MOEFUSE_LAUNCH_GPUS` GPUs.
 fn n_pes(n: usize) -> Result<(), String> {
-    let me = std::env::current_exe().map_err(e)?;
     let seed = Rng::fresh_seed();
-    let mut spec = LaunchSpec::new(n, me, Vec::<String>::new());
-    // GPUs from MOEFUSE_LAUNCH_GPUS (a multi-GPU machine), else all ranks on GPU 0.
-    spec.gpus = None;
-    spec.timeout = Some(moefuse_testkit::scaled_secs(100));
-    spec.env
-        .push(("MOEFUSE_TEST_SEED".into(), seed.to_string().into()));
-    let mut log = Vec::new();
-    let result = launch(&spec, |event| {
-        if let LaunchEvent::Output { rank, line, .. } = event {
-            println!("[rank {rank}] {line}");
-            log.push(format!("[rank {rank}] {line}"));
-        }
-    });
-    result.map_err(|x| format!("{n} PEs, seed {seed}: {x}\n{}", log.join("\n")))
+    relaunch(
+        n,
+        moefuse_testkit::scaled_secs(100),
+        ("MOEFUSE_TEST_SEED", seed.to_string()),
+        &format!("{n} PEs, seed {seed}"),
+    )
 }
 
 /// A child of `n_pes`: join the job, then the ring check and every round trip.
