@@ -29,7 +29,9 @@ pub struct Cache {
     dir: PathBuf,
 }
 
-/// The folders a recorded dependency path may be relative to.
+/// The folders a recorded dependency path may be relative to, both canonical (as the
+/// canonical paths nvcc's depfile entries are turned into; `compile_all` canonicalises them
+/// once per build), so a dependency is matched by a plain prefix test.
 #[derive(Debug, Clone, Copy)]
 pub struct DepRoots<'a> {
     /// The kernel tree (`crates/kernels/cuda`): recorded as `kernels:<relative path>`.
@@ -41,8 +43,7 @@ pub struct DepRoots<'a> {
 impl DepRoots<'_> {
     fn portable(&self, path: &Path) -> Option<String> {
         let rel = |root: &Path, tag: &str| {
-            let root = root.canonicalize().ok()?;
-            let rest = path.strip_prefix(&root).ok()?;
+            let rest = path.strip_prefix(root).ok()?;
             Some(format!("{tag}:{}", rest.to_str()?))
         };
         rel(self.kernels, "kernels").or_else(|| rel(self.source_dir, "src"))
