@@ -1,6 +1,7 @@
-//! `cargo xtask candle-pack`: the GPU binaries of `moefuse-candle` (its `candle_gpu` test and
-//! the `train_moe_block` example, built with `--features cuda`) for the H200, in
-//! `.device-pack-candle/` (ignored by git), xz-compressed for the device tool's carry.
+//! `cargo xtask candle-pack`: the GPU binaries of `moefuse-candle` (its `candle_gpu` test, the
+//! `train_moe_block` example and the `bench_candle_block` benchmark, built with
+//! `--features cuda`) for the H200, in `.device-pack-candle/` (ignored by git),
+//! xz-compressed for the device tool's carry.
 //!
 //! NOTES: candle's `cuda` feature makes cudarc link `libcuda`, `libcublas`, `libcublasLt`,
 //! `libcurand`, `libnvrtc` and `libcudart` dynamically, and this build machine has none of
@@ -73,15 +74,16 @@ pub fn run() -> Result<()> {
     println!(
         "candle-pack: {:.1} MiB in {}; on the H200 (carry [\".device-pack-candle\"]): \
          tar -xJf .device-pack-candle/candle.tar.xz -C /tmp, put python's nvidia/*/lib on \
-         LD_LIBRARY_PATH, run /tmp/candle_gpu-test and /tmp/train_moe_block",
+         LD_LIBRARY_PATH, run /tmp/candle_gpu-test, /tmp/train_moe_block and \
+         /tmp/bench_candle_block --out \"$OUT\"",
         size as f64 / 1048576.0,
         pack.display()
     );
     Ok(())
 }
 
-/// `cargo build --release -p moefuse-candle --features cuda` of the GPU test and the example,
-/// linked against `stubs`; returns (name, executable).
+/// `cargo build --release -p moefuse-candle --features cuda` of the GPU test, the example and
+/// the benchmark, linked against `stubs`; returns (name, executable).
 fn build(target: &Path, stubs: &Path, cuda_root: &Path) -> Result<Vec<(String, PathBuf)>> {
     let path = format!(
         "{}:{}",
@@ -101,6 +103,8 @@ fn build(target: &Path, stubs: &Path, cuda_root: &Path) -> Result<Vec<(String, P
             "candle_gpu",
             "--example",
             "train_moe_block",
+            "--example",
+            "bench_candle_block",
             "--message-format=json-render-diagnostics",
         ])
         .env("CARGO_TARGET_DIR", target)
