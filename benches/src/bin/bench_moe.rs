@@ -302,6 +302,35 @@ fn bench_case(
             fb_us.push(a.elapsed_ms(&c)? as f64 * 1e3);
         }
     }
+    // The forward alone, per layer: Inference (what a server runs) and, where the fused
+    // gate_up is on, the same Training forward with it off (the unfused stages).
+    let time_forward = |l: &mut MoeLayer, work: &mut MoeWorkspace, y: &mut CudaSlice<bf16>| {
+        let mut us = Vec::new();
+        for s in 0..(3 + args.samples) {
+            let (a, b) = (ctx.new_event(timing)?, ctx.new_event(timing)?);
+            a.record(stream)?;
+            l.forward(wv, &xs[s % sets], t, ext(), y, work)?;
+            b.record(stream)?;
+            b.synchronize()?;
+            if s >= 3 {
+                us.push(a.elapsed_ms(&b)? as f64 * 1e3);
+            }
+        }
+        Ok::<_, Error>(us)
+    };
+    let infer_us = time_forward(infer, work, &mut y)?;
+    let unfused_us = if layer.fused_gate_up() {
+        layer.set_fused_gate_up(false)?;
+        let us = time_forward(layer, work, &mut y);
+        layer.set_fused_gate_up(true)?;
+        Some(us?)
+    } else {
+        None
+    };
+    println!(
+        "  {model} t{t}: fused gate_up {} (training forward, inference forward, unfused training forward below)",
+        if layer.fused_gate_up() { "on" } else { "off (not sm_90a)" }
+    );
     if args.profile {
         layer.set_profiling(true);
         layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -319,12 +348,12 @@ fn bench_case(
         println!("  {model} t{t} stages (us): bwd [{}]", show(b));
     }
     let fwd_flops = 6.0 * (t * k * d * cfg.intermediate) as f64;
-    let rec = |phase: &str, us: Vec<f64>, flops: f64| {
+    let rec_as = |backend: &str, phase: &str, us: Vec<f64>, flops: f64| {
         let st = Stats::from_samples(us);
         Record {
             suite: "moe".into(),
             case: format!("{model}-t{t}-{phase}"),
-            backend: "moefuse".into(),
+            backend: backend.into(),
             gpu: gpu.into(),
             median_us: st.median_us,
             iqr_us: st.iqr_us,
@@ -335,9 +364,15 @@ fn bench_case(
             commit: commit(),
         }
     };
-    Ok(vec![
+    let rec = |phase: &str, us: Vec<f64>, flops: f64| rec_as("moefuse", phase, us, flops);
+    let mut out = vec![
         rec("fwd", f_us, fwd_flops),
         rec("bwd", b_us, 2.0 * fwd_flops),
         rec("fwdbwd", fb_us, 3.0 * fwd_flops),
-    ])
+        rec("fwd-infer", infer_us, fwd_flops),
+    ];
+    if let Some(us) = unfused_us {
+        out.push(rec_as("moefuse_unfused", "fwd", us, fwd_flops));
+    }
+    Ok(out)
 }

@@ -240,6 +240,7 @@ pub(crate) enum Call {
     ActivationForward(ffi::MoefuseActivationArgs),
     ActivationBackward(ffi::MoefuseActivationArgs),
     Permute(ffi::MoefusePermuteArgs),
+    GateUpFused(ffi::MoefuseGateUpArgs),
     Combine(ffi::MoefuseCombineArgs),
     CombineBackward(ffi::MoefuseCombineBwdArgs),
 }
@@ -287,6 +288,8 @@ impl Call {
                 Call::ActivationBackward(a) => ffi::moefuse_moe_activation_bwd(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::Permute(a) => ffi::moefuse_moe_permute(a, stream),
+                #[cfg(moefuse_moe_linked)]
+                Call::GateUpFused(a) => ffi::moefuse_moe_gate_up_fused(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::Combine(a) => ffi::moefuse_moe_combine(a, stream),
                 #[cfg(moefuse_moe_linked)]

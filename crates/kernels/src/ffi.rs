@@ -316,6 +316,50 @@ pub struct MoefuseCombineBwdArgs {
     pub expect_tokens: *const i32,
 }
 
+/// `MOEFUSE_MOE_ERROR_SOURCE`: the fused gate_up met a `source_of` entry outside
+/// `0..tokens * top_k` (it read token 0 instead).
+pub const MOEFUSE_MOE_ERROR_SOURCE: u32 = 16;
+
+/// `moefuse_gate_up_args` (moe_abi.h): the fused gate_up (gather, GEMM, activation).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseGateUpArgs {
+    /// Tokens (rows of x).
+    pub tokens: i32,
+    /// Slots per token.
+    pub top_k: i32,
+    /// `D` (multiple of 8).
+    pub hidden: i32,
+    /// `I` (multiple of 8).
+    pub intermediate: i32,
+    /// Experts (groups).
+    pub experts: i32,
+    /// `MOEFUSE_ACTIVATION_*`.
+    pub activation: i32,
+    /// `MOEFUSE_GATE_UP_*`.
+    pub layout: i32,
+    /// 0 or the contiguous grouped GEMM's tile-order fields.
+    pub tile_order: i32,
+    /// `SwiGluOai`'s sigmoid slope.
+    pub alpha: f32,
+    /// The clamped activations' limit.
+    pub limit: f32,
+    /// `[experts]` prefix-sum ends.
+    pub offsets: *const i32,
+    /// `[tokens * top_k]`: `t * top_k + j` of each expert-major row.
+    pub source_of: *const i32,
+    /// `[tokens, hidden]` bf16.
+    pub x: *const c_void,
+    /// `[experts, W, hidden]` bf16.
+    pub w: *const c_void,
+    /// `[tokens * top_k, intermediate]` bf16 out.
+    pub h: *mut c_void,
+    /// `[tokens * top_k, W]` bf16 out, or null.
+    pub h_pre: *mut c_void,
+    /// `[1]` error bits (`MOEFUSE_MOE_ERROR_*`), or null.
+    pub errors: *mut u32,
+}
+
 /// A MoE launcher (`moefuse_moe_<op>(args, stream)`), generic over its argument struct.
 pub type MoeLaunchFn<A> = unsafe extern "C" fn(*const A, *mut c_void) -> MoefuseStatus;
 
@@ -339,6 +383,11 @@ extern "C" {
     /// `moefuse_moe_activation_bwd(args, stream)`
     pub fn moefuse_moe_activation_bwd(
         args: *const MoefuseActivationArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_gate_up_fused(args, stream)`
+    pub fn moefuse_moe_gate_up_fused(
+        args: *const MoefuseGateUpArgs,
         stream: *mut c_void,
     ) -> MoefuseStatus;
     /// `moefuse_moe_permute(args, stream)`
@@ -403,6 +452,10 @@ mod tests {
         assert_eq!(offset_of!(MoefuseRouterArgs, bias), 40);
         assert_eq!(offset_of!(MoefuseRouterArgs, topk_ids), 48);
         assert_eq!(offset_of!(MoefuseRouterArgs, topk_weights), 56);
+        assert_eq!(size_of::<MoefuseGateUpArgs>(), 96);
+        assert_eq!(offset_of!(MoefuseGateUpArgs, alpha), 32);
+        assert_eq!(offset_of!(MoefuseGateUpArgs, offsets), 40);
+        assert_eq!(offset_of!(MoefuseGateUpArgs, errors), 88);
         assert_eq!(size_of::<MoefuseRouterBwdArgs>(), 56);
         assert_eq!(offset_of!(MoefuseRouterBwdArgs, routed_scaling_factor), 20);
         assert_eq!(offset_of!(MoefuseRouterBwdArgs, logits), 24);

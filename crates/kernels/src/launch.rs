@@ -29,7 +29,8 @@
 
 use crate::bind::Binder;
 use crate::moe_ops::{
-    Activation, CombineBackward, CombineForward, Permute, RouterBackward, RouterForward,
+    Activation, CombineBackward, CombineForward, GateUpFused, Permute, RouterBackward,
+    RouterForward,
 };
 use crate::ops::{Gemm, GroupedGemm};
 use crate::{KernelError, Kernels};
@@ -61,6 +62,8 @@ pub enum Launch<'a> {
     Activation(Activation<'a>),
     /// `moefuse_moe_permute`.
     Permute(Permute<'a>),
+    /// `moefuse_moe_gate_up_fused`.
+    GateUpFused(GateUpFused<'a>),
     /// `moefuse_moe_combine`.
     Combine(CombineForward<'a>),
     /// `moefuse_moe_combine_bwd`.
@@ -83,6 +86,7 @@ launch_from!(
     RouterBackward(RouterBackward),
     Activation(Activation),
     Permute(Permute),
+    GateUpFused(GateUpFused),
     Combine(CombineForward),
     CombineBackward(CombineBackward)
 );
@@ -98,6 +102,7 @@ impl Launch<'_> {
             Launch::Activation(a) if a.backward.is_some() => "moefuse_moe_activation_bwd".into(),
             Launch::Activation(_) => "moefuse_moe_activation_fwd".into(),
             Launch::Permute(_) => "moefuse_moe_permute".into(),
+            Launch::GateUpFused(_) => "moefuse_moe_gate_up_fused".into(),
             Launch::Combine(_) => "moefuse_moe_combine".into(),
             Launch::CombineBackward(_) => "moefuse_moe_combine_bwd".into(),
         }
@@ -140,6 +145,7 @@ impl Kernels {
             Launch::RouterBackward(r) => r.bind(&mut binder)?,
             Launch::Activation(a) => a.bind(&mut binder)?,
             Launch::Permute(p) => p.bind(&mut binder)?,
+            Launch::GateUpFused(g) => g.bind(&mut binder)?,
             Launch::Combine(c) => c.bind(&mut binder)?,
             Launch::CombineBackward(c) => c.bind(&mut binder)?,
         };

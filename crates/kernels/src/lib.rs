@@ -12,7 +12,7 @@
 //! 3. [`Kernels`] is the typed launch layer (module `launch`), the one door to the C
 //!    launchers: a per-context handle checks the ABI and the architecture once;
 //!    [`Kernels::launch`] takes an operation ([`Gemm`], [`GroupedGemm`], [`RouterForward`],
-//!    [`RouterBackward`], [`Activation`], [`Permute`], [`CombineForward`],
+//!    [`RouterBackward`], [`Activation`], [`Permute`], [`GateUpFused`], [`CombineForward`],
 //!    [`CombineBackward`]) whose buffers are cudarc slices or views, checks sizes, limits,
 //!    device, length and alignment on the host, holds the buffers' guards and makes the one
 //!    `unsafe` call. Crates above this one need no `unsafe`.
@@ -43,8 +43,8 @@ pub use error::{KernelError, Status};
 pub use handle::{arch_of, Kernels};
 pub use launch::Launch;
 pub use moe_ops::{
-    Activation, ActivationKind, CombineBackward, CombineForward, GateUpLayout, Permute,
-    RouterBackward, RouterForward, RouterScoring,
+    Activation, ActivationKind, CombineBackward, CombineForward, GateUpFused, GateUpLayout,
+    Permute, RouterBackward, RouterForward, RouterScoring,
 };
 /// The facts shared with the build scripts, xtask and the C side (`moefuse-spec`): arch
 /// table, variant table, limits, grouped kinds, tile-order fields. Re-exported so a crate

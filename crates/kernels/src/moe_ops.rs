@@ -9,7 +9,9 @@ use half::bf16;
 
 use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
 
+mod gate_up;
 mod permute;
+pub use gate_up::GateUpFused;
 pub use permute::{CombineBackward, CombineForward, Permute};
 
 /// How the router scores experts (abi.h `moefuse_router_kind`).
@@ -265,6 +267,41 @@ impl ActivationKind {
     pub fn is_gated(&self) -> bool {
         !matches!(self, ActivationKind::Relu2)
     }
+
+    /// abi.h's `(activation, alpha, limit)`; the clamped activations need `limit > 0`.
+    pub(crate) fn raw(&self, kernel: &str) -> Result<(i32, f32, f32), KernelError> {
+        let (raw, alpha, limit) = match *self {
+            ActivationKind::SwiGlu => (ffi::MOEFUSE_ACTIVATION_SWIGLU, 0.0, 0.0),
+            ActivationKind::GeGlu => (ffi::MOEFUSE_ACTIVATION_GEGLU, 0.0, 0.0),
+            ActivationKind::SwiGluOai { alpha, limit } => {
+                (ffi::MOEFUSE_ACTIVATION_SWIGLU_OAI, alpha, limit)
+            }
+            ActivationKind::BoundedSwiGlu { limit } => {
+                (ffi::MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, 0.0, limit)
+            }
+            ActivationKind::Relu2 => (ffi::MOEFUSE_ACTIVATION_RELU2, 0.0, 0.0),
+        };
+        let clamped = matches!(
+            self,
+            ActivationKind::SwiGluOai { .. } | ActivationKind::BoundedSwiGlu { .. }
+        );
+        if clamped && limit.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return Err(KernelError::Inconsistent {
+                kernel: kernel.to_string(),
+                why: "the clamped activations need limit > 0",
+            });
+        }
+        Ok((raw, alpha, limit))
+    }
+}
+
+impl GateUpLayout {
+    pub(crate) fn raw(self) -> i32 {
+        match self {
+            GateUpLayout::Split => ffi::MOEFUSE_GATE_UP_SPLIT,
+            GateUpLayout::Interleaved => ffi::MOEFUSE_GATE_UP_INTERLEAVED,
+        }
+    }
 }
 
 /// Where gate and up sit in a gated row (abi.h `moefuse_gate_up_layout`).
@@ -321,27 +358,7 @@ impl<'a> Activation<'a> {
         check_range(kernel, "intermediate", i as i128, 1, i32::MAX as i128)?;
         let width = if self.kind.is_gated() { 2 * i } else { i };
         check_range(kernel, "row width", width as i128, 1, i32::MAX as i128)?;
-        let (raw, alpha, limit) = match self.kind {
-            ActivationKind::SwiGlu => (ffi::MOEFUSE_ACTIVATION_SWIGLU, 0.0, 0.0),
-            ActivationKind::GeGlu => (ffi::MOEFUSE_ACTIVATION_GEGLU, 0.0, 0.0),
-            ActivationKind::SwiGluOai { alpha, limit } => {
-                (ffi::MOEFUSE_ACTIVATION_SWIGLU_OAI, alpha, limit)
-            }
-            ActivationKind::BoundedSwiGlu { limit } => {
-                (ffi::MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, 0.0, limit)
-            }
-            ActivationKind::Relu2 => (ffi::MOEFUSE_ACTIVATION_RELU2, 0.0, 0.0),
-        };
-        let clamped = matches!(
-            self.kind,
-            ActivationKind::SwiGluOai { .. } | ActivationKind::BoundedSwiGlu { .. }
-        );
-        if clamped && limit.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
-            return Err(KernelError::Inconsistent {
-                kernel: kernel.clone(),
-                why: "the clamped activations need limit > 0",
-            });
-        }
+        let (raw, alpha, limit) = self.kind.raw(kernel)?;
         let wide = extent(kernel, "rows * W", &[rows, width])?;
         let narrow = extent(kernel, "rows * I", &[rows, i])?;
         let total = b.read_opt("total_rows", self.total_rows, 1, 4)?;
@@ -354,10 +371,7 @@ impl<'a> Activation<'a> {
         }
         let args = ffi::MoefuseActivationArgs {
             activation: raw,
-            layout: match self.layout {
-                GateUpLayout::Split => ffi::MOEFUSE_GATE_UP_SPLIT,
-                GateUpLayout::Interleaved => ffi::MOEFUSE_GATE_UP_INTERLEAVED,
-            },
+            layout: self.layout.raw(),
             intermediate: to_i32(kernel, "intermediate", i)?,
             max_rows: to_i32(kernel, "max_rows", rows)?,
             alpha,

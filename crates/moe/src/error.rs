@@ -211,11 +211,12 @@ pub enum MoeError {
     /// Device-resident routing state the kernels found invalid (they skipped the offending
     /// slots and raised bits in a [`DeviceErrors`](crate::gpu::DeviceErrors) word; see
     /// `DeviceErrors::take` and `MoeLayer::take_routing_errors`).
-    #[error("device routing was invalid:{}{}{}{}",
+    #[error("device routing was invalid:{}{}{}{}{}",
         if *out_of_range { " expert ids outside 0..experts (slots dropped);" } else { "" },
         if *duplicate { " a token naming one expert twice;" } else { "" },
         if *row_out_of_range { " row_of entries outside the rows of y (slots skipped);" } else { "" },
-        if *stale_forward { " a backward whose token count differs from the permutation's (the forward state is stale, e.g. a graph replayed after an eager forward of another T; outputs zeroed)" } else { "" })]
+        if *stale_forward { " a backward whose token count differs from the permutation's (the forward state is stale, e.g. a graph replayed after an eager forward of another T; outputs zeroed)" } else { "" },
+        if *source_out_of_range { " source_of entries outside 0..tokens*top_k (token 0 read instead)" } else { "" })]
     InvalidDeviceRouting {
         /// Some id was outside `0..experts`.
         out_of_range: bool,
@@ -226,6 +227,8 @@ pub enum MoeError {
         /// A combine compared the permutation's token count stamp with its own and they
         /// differed.
         stale_forward: bool,
+        /// The fused gate_up met a `source_of` entry outside `0..tokens * top_k`.
+        source_out_of_range: bool,
     },
     /// A backward (or its gradient buffers) was asked of a layer that keeps nothing for
     /// one.
@@ -241,6 +244,12 @@ pub enum MoeError {
         needed: usize,
         /// Bytes the workspace holds.
         got: usize,
+    },
+    /// A feature this device or build does not run was asked for.
+    #[error("unsupported here: {what}")]
+    Unsupported {
+        /// What was asked.
+        what: &'static str,
     },
     /// The layer was asked for a backward before any forward.
     #[error("backward called before any forward")]

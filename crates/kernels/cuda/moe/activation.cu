@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
 
 namespace moefuse::moe {
@@ -59,59 +60,6 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8], int at) {
 __device__ __forceinline__ uint4 pack8_pairs(const float (&g)[8], const float (&u)[8], int at) {
   return make_uint4(pack2(g[at + 0], u[at + 0]), pack2(g[at + 1], u[at + 1]),
                     pack2(g[at + 2], u[at + 2]), pack2(g[at + 3], u[at + 3]));
-}
-
-// ---- The activations (value and partials), as in reference::activation. ----
-
-struct Point {
-  float h, dg, du;
-};
-
-// NOTES: fast exp and division (2 ulp): the outputs are bf16, and the exact versions made
-// the forward compute-bound at ~2 TB/s (measured: 150 us for Qwen3-30B-A3B at 8192 tokens).
-// Both branches keep the denominator in [1, 2], where __fdividef is exact to 2 ulp.
-__device__ __forceinline__ float sigmoidf_(float x) {
-  if (x >= 0.f) return __fdividef(1.f, 1.f + __expf(-x));
-  float e = __expf(x);
-  return __fdividef(e, 1.f + e);
-}
-
-__device__ __forceinline__ Point eval(int act, float alpha, float limit, float g, float u) {
-  switch (act) {
-    case MOEFUSE_ACTIVATION_SWIGLU: {
-      float s = sigmoidf_(g);
-      float silu = g * s, dsilu = s * (1.f + g * (1.f - s));
-      return {silu * u, dsilu * u, silu};
-    }
-    case MOEFUSE_ACTIVATION_GEGLU: {
-      constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
-      float t = tanhf(kSqrt2OverPi * (g + kCubic * g * g * g));
-      float dinner = kSqrt2OverPi * (1.f + 3.f * kCubic * g * g);
-      float gelu = 0.5f * g * (1.f + t);
-      float dgelu = 0.5f * (1.f + t) + 0.5f * g * (1.f - t * t) * dinner;
-      return {gelu * u, dgelu * u, gelu};
-    }
-    case MOEFUSE_ACTIVATION_SWIGLU_OAI: {
-      bool g_clamped = g > limit, u_clamped = u > limit || u < -limit;
-      float gc = g_clamped ? limit : g;
-      float uc = u > limit ? limit : (u < -limit ? -limit : u);
-      float s = sigmoidf_(alpha * gc);
-      float glu = gc * s, dglu = s + gc * alpha * s * (1.f - s);
-      return {glu * (uc + 1.f), g_clamped ? 0.f : dglu * (uc + 1.f), u_clamped ? 0.f : glu};
-    }
-    case MOEFUSE_ACTIVATION_BOUNDED_SWIGLU: {
-      bool g_clamped = g > limit, u_clamped = u > limit || u < -limit;
-      float gc = g_clamped ? limit : g;
-      float uc = u > limit ? limit : (u < -limit ? -limit : u);
-      float s = sigmoidf_(gc);
-      float silu = gc * s, dsilu = s * (1.f + gc * (1.f - s));
-      return {silu * uc, g_clamped ? 0.f : dsilu * uc, u_clamped ? 0.f : silu};
-    }
-    default: {  // MOEFUSE_ACTIVATION_RELU2
-      float r = g > 0.f ? g : 0.f;
-      return {r * r, 2.f * r, 0.f};
-    }
-  }
 }
 
 using bf16 = __nv_bfloat16;

@@ -90,7 +90,7 @@ impl ActivationDesc {
     }
 
     /// The kernels' activation and gate/up layout.
-    fn kernel_kind(&self) -> (mk::ActivationKind, mk::GateUpLayout) {
+    pub(super) fn kernel_kind(&self) -> (mk::ActivationKind, mk::GateUpLayout) {
         let layout = match self.layout {
             GateUpLayout::Split => mk::GateUpLayout::Split,
             GateUpLayout::Interleaved => mk::GateUpLayout::Interleaved,

@@ -77,6 +77,7 @@ impl DeviceErrors {
             duplicate: bits & ffi::MOEFUSE_MOE_ERROR_DUPLICATE != 0,
             row_out_of_range: bits & ffi::MOEFUSE_MOE_ERROR_ROW != 0,
             stale_forward: bits & ffi::MOEFUSE_MOE_ERROR_STALE != 0,
+            source_out_of_range: bits & ffi::MOEFUSE_MOE_ERROR_SOURCE != 0,
         })
     }
 
@@ -100,7 +101,7 @@ mod tests {
     #[test]
     fn every_bit_has_its_field() {
         assert_eq!(DeviceErrors::decode(0), Ok(()));
-        let all = DeviceErrors::decode(15).unwrap_err();
+        let all = DeviceErrors::decode(31).unwrap_err();
         assert_eq!(
             all,
             MoeError::InvalidDeviceRouting {
@@ -108,6 +109,7 @@ mod tests {
                 duplicate: true,
                 row_out_of_range: true,
                 stale_forward: true,
+                source_out_of_range: true,
             }
         );
         assert_eq!(
@@ -117,10 +119,17 @@ mod tests {
                 duplicate: false,
                 row_out_of_range: true,
                 stale_forward: false,
+                source_out_of_range: false,
             })
         );
         let msg = all.to_string();
-        for part in ["outside 0..experts", "twice", "row_of", "token count"] {
+        for part in [
+            "outside 0..experts",
+            "twice",
+            "row_of",
+            "token count",
+            "source_of",
+        ] {
             assert!(msg.contains(part), "{msg:?} lacks {part:?}");
         }
     }

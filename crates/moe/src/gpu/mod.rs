@@ -49,6 +49,7 @@
 mod activation;
 mod buffers;
 mod errors;
+mod fused;
 mod layer;
 mod permute;
 mod router;
@@ -56,6 +57,7 @@ mod router;
 pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
 pub use buffers::PermuteBuffers;
 pub use errors::DeviceErrors;
+pub use fused::{gate_up_fused, gate_up_fused_supported, GateUpInputs};
 pub use layer::{
     DeviceWeights, Gradients, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
 };

@@ -29,6 +29,7 @@ extern "C" {
 #define MOEFUSE_MOE_ERROR_DUPLICATE 2u /* permute: a token naming one expert twice */
 #define MOEFUSE_MOE_ERROR_ROW 4u       /* combine, combine_bwd: a row_of entry outside -1..rows-1 (slot skipped) */
 #define MOEFUSE_MOE_ERROR_STALE 8u     /* combine, combine_bwd: *expect_tokens != tokens (nothing read through row_of) */
+#define MOEFUSE_MOE_ERROR_SOURCE 16u   /* gate_up fused: a source_of entry outside 0..tokens*top_k-1 (token 0 read instead) */
 
 /* Tokens per block of the permutation's count pass; the workspace holds one int32 count
  * per (chunk, expert): moefuse_moe_permute_workspace(tokens, experts) bytes. */
@@ -111,6 +112,44 @@ typedef struct moefuse_combine_bwd_args {
   uint32_t* errors;              /* [1]: error bits, or NULL */
   const int32_t* expect_tokens;  /* [1]: the permutation's tokens stamp, or NULL */
 } moefuse_combine_bwd_args;
+
+/*
+ * Fused gate_up (sm_90a; kernel/sm90_gate_up_fused.cuh): for every expert-major row r of
+ * expert e (rows offsets[e-1]..offsets[e]-1, offsets read on the device and clamped to
+ * tokens*top_k), with t = source_of[r] / top_k (the token's row of x, read by the GEMM's
+ * producer: no x_perm copy),
+ *   h_pre[r, :] = x[t, :] · W_e^T               (W_e = w[e] as [W, hidden], W = 2*I gated, I for RELU2)
+ *   h[r, j]     = act(h_pre[r, gate j], h_pre[r, up j])   for j < I
+ * with the activation applied to the fp32 accumulators in the epilogue (the formulas of
+ * moe/activation.cu; h_pre is not rounded first). h_pre is written only when not NULL (the
+ * backward's input). Gate/up layouts: split (gate rows 0..I-1, up rows I..2I-1 of W_e) or
+ * interleaved (g, u, g, u, ...). Needs hidden % 8 == 0 and intermediate % 8 == 0, 16-byte
+ * aligned x, w, h, h_pre, 1 <= experts <= 512. A source_of entry outside
+ * 0..tokens*top_k-1 reads token 0 and raises MOEFUSE_MOE_ERROR_SOURCE in errors[0] (may be
+ * NULL). Another device than compute capability 9.0 returns MOEFUSE_STATUS_ARCH_MISMATCH
+ * (the unfused path then runs).
+ */
+typedef struct moefuse_gate_up_args {
+  int32_t tokens;
+  int32_t top_k;
+  int32_t hidden;
+  int32_t intermediate;
+  int32_t experts;
+  int32_t activation;        /* MOEFUSE_ACTIVATION_* */
+  int32_t layout;            /* MOEFUSE_GATE_UP_SPLIT or _INTERLEAVED */
+  int32_t tile_order;        /* 0: default; else as moefuse_grouped_gemm_args.tile_order (contiguous fields) */
+  float alpha;               /* SWIGLU_OAI's alpha */
+  float limit;               /* the clamped activations' limit */
+  const int32_t* offsets;    /* [experts] prefix-sum ends */
+  const int32_t* source_of;  /* [tokens*top_k] t*top_k + j of each row */
+  const uint16_t* x;         /* [tokens, hidden] bf16 */
+  const uint16_t* w;         /* [experts, W, hidden] bf16 */
+  uint16_t* h;               /* [tokens*top_k, intermediate] bf16 */
+  uint16_t* h_pre;           /* [tokens*top_k, W] bf16, or NULL */
+  uint32_t* errors;          /* [1]: error bits, or NULL */
+} moefuse_gate_up_args;
+
+moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* args, void* stream);
 
 moefuse_status moefuse_moe_permute(const moefuse_permute_args* args, void* stream);
 moefuse_status moefuse_moe_combine(const moefuse_combine_args* args, void* stream);

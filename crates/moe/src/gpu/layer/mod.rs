@@ -250,6 +250,8 @@ pub struct MoeLayer {
     saved: Option<Saved>,
     last: Option<LastForward>,
     profile: Profile,
+    /// The forward's gate_up runs fused (gather + GEMM + activation, sm_90a).
+    fused_gate_up: bool,
 }
 
 impl MoeLayer {
@@ -269,6 +271,7 @@ impl MoeLayer {
         let cfg = *plan.config();
         let (e, k, max_t) = (cfg.experts, cfg.top_k, plan.max_tokens());
         let gemm = GroupedGemm::new(stream.context())?;
+        let fused_gate_up = crate::gpu::fused::supported_by(gemm.kernels());
         let gemms = GemmPlans::new(&gemm, plan, mode)?;
         let ws = gemms.all().iter().map(|p| p.workspace_bytes()).max();
         let routing = RoutingState {
@@ -302,7 +305,47 @@ impl MoeLayer {
             saved,
             last: None,
             profile: Profile::default(),
+            fused_gate_up,
         })
+    }
+
+    /// Whether the forward runs the fused gate_up (the rows of x gathered inside the
+    /// GEMM, the activation in its epilogue; [`gate_up_fused`](crate::gpu::gate_up_fused)).
+    /// On by default where the device runs it (sm_90a).
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// println!("fused gate_up: {}", layer.fused_gate_up());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn fused_gate_up(&self) -> bool {
+        self.fused_gate_up
+    }
+
+    /// Turns the fused gate_up on or off (off: the grouped GEMM writes `h_pre`, then the
+    /// activation kernel runs: the unfused stages, for comparison). Turning it on where
+    /// the device cannot run it is [`MoeError::Unsupported`].
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// layer.set_fused_gate_up(false)?;
+    /// assert!(!layer.fused_gate_up());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_fused_gate_up(&mut self, on: bool) -> Result<(), MoeError> {
+        if on && !crate::gpu::fused::supported_by(self.gemm.kernels()) {
+            return Err(MoeError::Unsupported {
+                what: "the fused gate_up needs an sm_90a device and a build with sm_90a kernels",
+            });
+        }
+        self.fused_gate_up = on;
+        Ok(())
     }
 
     /// The configuration.

@@ -63,14 +63,32 @@ impl MoeLayer {
         let (p, s, gws) = (&mut self.profile, cx.stream, &mut self.gemm_ws);
         p.begin(s)?;
         let r = p.stage(s, "route", cx.route(t, routing, w, ids, wts, logits, keep))?;
-        let permute = cx.permute(t, r.ids, x, perm, &mut acts.get_mut(X_PERM));
-        p.stage(s, "permute+gather", permute)?;
+        // Fused (sm_90a): x is gathered inside the gate_up GEMM, so the permutation writes
+        // x_perm only for the backward's wgrad (Training), and the activation runs in the
+        // GEMM's epilogue.
+        let (fused, gather) = (self.fused_gate_up, !self.fused_gate_up || keep);
+        let mut x_perm = acts.get_mut(X_PERM);
+        let x_perm = gather.then_some(&mut x_perm as &mut dyn DevicePtrMut<bf16>);
+        let permute = cx.permute(t, r.ids, x, perm, x_perm);
+        p.stage(
+            s,
+            if gather { "permute+gather" } else { "permute" },
+            permute,
+        )?;
+        if fused {
+            let (mut h_pre, mut h) = acts.pair_mut(H_PRE, H);
+            let h_pre = keep.then_some(&mut h_pre as &mut dyn DevicePtrMut<bf16>);
+            let gate_up = cx.gate_up_fused(t, x, w, perm, &mut h, h_pre);
+            p.stage(s, "gate_up+activation (fused)", gate_up)?;
+        } else {
+            let off = &perm.offsets;
+            let (x_perm, mut h_pre) = acts.io(X_PERM, H_PRE);
+            let gate_up = cx.gemm(&g.gate_up, off, &x_perm, &w.gate_up, &mut h_pre, gws);
+            p.stage(s, "gate_up gemm", gate_up)?;
+            let (h_pre, mut h) = acts.io(H_PRE, H);
+            p.stage(s, "activation", cx.activation(off, &h_pre, &mut h))?;
+        }
         let off = &perm.offsets;
-        let (x_perm, mut h_pre) = acts.io(X_PERM, H_PRE);
-        let gate_up = cx.gemm(&g.gate_up, off, &x_perm, &w.gate_up, &mut h_pre, gws);
-        p.stage(s, "gate_up gemm", gate_up)?;
-        let (h_pre, mut h) = acts.io(H_PRE, H);
-        p.stage(s, "activation", cx.activation(off, &h_pre, &mut h))?;
         let (h, mut y_e) = acts.io(H, Y_E);
         p.stage(
             s,

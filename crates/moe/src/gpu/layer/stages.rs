@@ -6,6 +6,7 @@
 
 use super::{MoePlan, Routing, Weights};
 use crate::gpu::activation::{activation_backward_with, activation_forward_with};
+use crate::gpu::fused::{gate_up_fused_with, GateUpInputs};
 use crate::gpu::permute::{combine_backward_impl, combine_impl, permute_with};
 use crate::gpu::router::{route_backward_with, route_with};
 use crate::gpu::{ActivationDesc, DeviceErrors, PermuteBuffers, Rows};
@@ -117,22 +118,46 @@ impl Cx<'_> {
         ids: &CudaSlice<i32>,
         x: &dyn DevicePtr<bf16>,
         perm: &mut PermuteBuffers,
-        x_perm: &mut dyn DevicePtrMut<bf16>,
+        x_perm: Option<&mut dyn DevicePtrMut<bf16>>,
     ) -> Result<(), MoeError> {
         let c = self.plan.config();
         let (e, k, d) = (c.experts, c.top_k, c.hidden);
         let s = self.stream;
-        permute_with(
+        let x = x_perm.is_some().then_some(x);
+        permute_with(self.kernels(), s, t, e, k, d, ids, x, perm, x_perm)
+    }
+
+    /// The fused gate_up: the rows of `x` gathered by `perm`'s `source_of` inside the GEMM,
+    /// the activation in its epilogue; `h` always, `h_pre` when the backward needs it.
+    pub(super) fn gate_up_fused(
+        &self,
+        t: usize,
+        x: &dyn DevicePtr<bf16>,
+        w: &Weights<'_>,
+        perm: &mut PermuteBuffers,
+        h: &mut dyn DevicePtrMut<bf16>,
+        h_pre: Option<&mut dyn DevicePtrMut<bf16>>,
+    ) -> Result<(), MoeError> {
+        let c = self.plan.config();
+        let inputs = GateUpInputs {
+            tokens: t,
+            top_k: c.top_k,
+            experts: c.experts,
+            hidden: c.hidden,
+            offsets: &perm.offsets,
+            source_of: &perm.source_of,
+            x,
+            w: &w.gate_up,
+        };
+        let errors = &mut perm.errors;
+        gate_up_fused_with(
             self.kernels(),
-            s,
-            t,
-            e,
-            k,
-            d,
-            ids,
-            Some(x),
-            perm,
-            Some(x_perm),
+            self.act,
+            self.stream,
+            inputs,
+            h,
+            h_pre,
+            errors,
         )
     }
 

@@ -110,6 +110,25 @@ impl<'a> SlotViews<'a> {
         self.bufs[self.at[s]].slice_mut(..n)
     }
 
+    /// Slots `a` and `b` both to write (two different buffers: consecutive slots never
+    /// share one).
+    pub(super) fn pair_mut(
+        &mut self,
+        a: usize,
+        b: usize,
+    ) -> (CudaViewMut<'_, bf16>, CudaViewMut<'_, bf16>) {
+        let (i, j) = (self.at[a], self.at[b]);
+        assert_ne!(i, j, "slots {a} and {b} share a buffer");
+        let (n_a, n_b) = (self.lens[a], self.lens[b]);
+        let (lo, hi) = self.bufs.split_at_mut(i.max(j));
+        let (x, y) = if i < j {
+            (&mut lo[i], &mut hi[0])
+        } else {
+            (&mut hi[0], &mut lo[j])
+        };
+        (x.slice_mut(..n_a), y.slice_mut(..n_b))
+    }
+
     /// Slot `src` to read and slot `dst` to write (two different buffers: consecutive
     /// slots never share one).
     pub(super) fn io(

@@ -1,0 +1,151 @@
+// Epilogue of the fused gate_up (kernel/sm90_gate_up_fused.cuh): from one warp group's
+// 64 x 256 fp32 accumulator slab, the activation h (bf16, `inter` columns) and, when
+// training, the pre-activation h_pre (bf16, `width` columns, in the weights' gate/up layout),
+// for the tile's first `rows` rows only (the next group's rows share the tile).
+// Each store stages 64 x 64 bf16 through the warp group's padded shared slab and writes
+// whole 128-byte row segments with 16-byte stores, as epilogue/masked_rows.cuh does.
+//
+// Accumulator columns of a tile (see the kernel): RELU2: h columns j0..j0+255; split:
+// 0..127 gate j0.., 128..255 up j0..; interleaved: W rows 2*j0.. (g, u pairs). A thread's
+// fragment holds columns (8 j + 2 q, 8 j + 2 q + 1) of blocks j = 0..31 (q = lane % 4), so
+// the split pair is (block j, block j + 16) and the interleaved pair (column c, c + 1).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "moefuse/epilogue/masked_rows.cuh"
+#include "moefuse/moe/activation_math.cuh"
+
+namespace moefuse::epilogue {
+
+struct ActivationRows {
+  int act;
+  int layout;
+  int inter;
+  int width;
+  float alpha;
+  float limit;
+
+  // Shared -> global: rows [0, rows) and columns [0, cols) of the slab to dst rows (pitch
+  // ld) at column gcol; 8 threads per 128-byte segment, 16 rows per sweep.
+  CUTE_DEVICE static void slab_out(const __nv_bfloat16* slab, int t, int rows, int cols, cutlass::bfloat16_t* dst,
+                                   int64_t ld, int gcol) {
+    using S = MaskedRowsStorage;
+    const int seg = t % 8;
+    CUTE_UNROLL
+    for (int sweep = 0; sweep < S::kRows / 16; ++sweep) {
+      const int r = sweep * 16 + t / 8;
+      if (r < rows && seg * 8 < cols) {
+        *reinterpret_cast<uint4*>(dst + r * ld + gcol + seg * 8) =
+            *reinterpret_cast<const uint4*>(&slab[r * S::kPitch + seg * 8]);
+      }
+    }
+  }
+
+  template <class TileShape, class Accum, class TiledMma>
+  CUTE_DEVICE void run(Accum const& acc, TiledMma const& tiled_mma, int mma_thread_idx, int wg_row0,
+                       MaskedRowsStorage& storage, uint32_t barrier_id, cutlass::bfloat16_t* h,
+                       cutlass::bfloat16_t* h_pre, int row0, int rows, int n_block) const {
+    using namespace cute;
+    using S = MaskedRowsStorage;
+    constexpr int kM = size<0>(TileShape{});
+    constexpr int kN = size<1>(TileShape{});
+    static_assert(kN == 256, "activation epilogue: 256-column tiles (two 128-column halves)");
+    Tensor cD = make_identity_tensor(make_shape(Int<kM>{}, Int<kN>{}));
+    Tensor tCcD = tiled_mma.get_thread_slice(mma_thread_idx).partition_C(cD);  // (MMA,MMA_M,MMA_N)
+    CUTE_STATIC_ASSERT_V((size<0, 0>(tCcD) == Int<2>{}) && (size<0, 1>(tCcD) == Int<2>{}));
+    CUTE_STATIC_ASSERT_V((size<0, 2>(tCcD) == Int<kN / 8>{}) && (size<1>(tCcD) == Int<1>{}) &&
+                         (size<2>(tCcD) == Int<1>{}));
+    __nv_bfloat16* slab = storage.slab[(wg_row0 / S::kRows) & 1];
+    const int t = mma_thread_idx % 128;
+    const int wg_rows = min(rows - wg_row0, S::kRows);
+    const bool relu2 = act == MOEFUSE_ACTIVATION_RELU2;
+    const bool split = !relu2 && layout == MOEFUSE_GATE_UP_SPLIT;
+    auto sync = [&] { cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id); };
+    auto put2 = [&](int i, int pass_col0, float a, float b) {
+      const auto c = tCcD(i);
+      *reinterpret_cast<__nv_bfloat162*>(&slab[(get<0>(c) - wg_row0) * S::kPitch + get<1>(c) - pass_col0]) =
+          __float22bfloat162_rn(make_float2(a, b));
+    };
+
+    // 1. h_pre (training only): the accumulators as they are, placed in the weights' layout.
+    if (h_pre != nullptr) {
+      cutlass::bfloat16_t* dst = h_pre + int64_t(row0 + wg_row0) * width;
+      CUTE_UNROLL
+      for (int pass = 0; pass < kN / S::kCols; ++pass) {
+        int gcol, cols;
+        if (split) {
+          const int j = n_block * (kN / 2) + (pass % 2) * S::kCols;
+          gcol = (pass < 2 ? 0 : inter) + j;
+          cols = min(S::kCols, inter - j);
+        } else {
+          gcol = n_block * kN + pass * S::kCols;
+          cols = min(S::kCols, width - gcol);
+        }
+        if (cols <= 0) continue;  // uniform over the warp group
+        CUTE_UNROLL
+        for (int j = pass * 8; j < pass * 8 + 8; ++j) {
+          CUTE_UNROLL
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = 2 * hh + 4 * j;
+            put2(i, pass * S::kCols, acc(i), acc(i + 1));
+          }
+        }
+        sync();
+        slab_out(slab, t, wg_rows, cols, dst, width, gcol);
+        sync();
+      }
+    }
+
+    // 2. h: the activation of each (gate, up) pair, 64 h columns per pass.
+    cutlass::bfloat16_t* dst = h + int64_t(row0 + wg_row0) * inter;
+    const int h_cols = relu2 ? kN : kN / 2;
+    CUTE_UNROLL
+    for (int pass = 0; pass < kN / S::kCols; ++pass) {
+      if (pass * S::kCols >= h_cols) break;
+      const int hcol0 = n_block * h_cols + pass * S::kCols;
+      const int cols = min(S::kCols, inter - hcol0);
+      if (cols <= 0) break;  // uniform over the warp group
+      if (relu2) {
+        CUTE_UNROLL
+        for (int j = pass * 8; j < pass * 8 + 8; ++j) {
+          CUTE_UNROLL
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = 2 * hh + 4 * j;
+            put2(i, pass * S::kCols, moe::eval(act, alpha, limit, acc(i), 0.f).h,
+                 moe::eval(act, alpha, limit, acc(i + 1), 0.f).h);
+          }
+        }
+      } else if (split) {
+        CUTE_UNROLL
+        for (int j = pass * 8; j < pass * 8 + 8; ++j) {
+          CUTE_UNROLL
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = 2 * hh + 4 * j;  // gate block j; its up partner is block j + 16
+            const int u = i + 4 * (kN / 16);
+            put2(i, pass * S::kCols, moe::eval(act, alpha, limit, acc(i), acc(u)).h,
+                 moe::eval(act, alpha, limit, acc(i + 1), acc(u + 1)).h);
+          }
+        }
+      } else {
+        CUTE_UNROLL
+        for (int j = pass * 16; j < pass * 16 + 16; ++j) {
+          CUTE_UNROLL
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = 2 * hh + 4 * j;  // columns (g, u) = (c, c + 1), c even
+            const auto c = tCcD(i);
+            slab[(get<0>(c) - wg_row0) * S::kPitch + get<1>(c) / 2 - pass * S::kCols] =
+                __float2bfloat16_rn(moe::eval(act, alpha, limit, acc(i), acc(i + 1)).h);
+          }
+        }
+      }
+      sync();
+      slab_out(slab, t, wg_rows, cols, dst, inter, hcol0);
+      sync();
+    }
+  }
+};
+
+}  // namespace moefuse::epilogue

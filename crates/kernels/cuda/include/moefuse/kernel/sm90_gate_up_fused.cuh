@@ -1,0 +1,262 @@
+// Hopper (sm_90a) fused gate_up of the MoE layer: a persistent M-grouped bf16 GEMM over the
+// expert-major rows whose producer gathers the token rows of x itself (no x_perm copy) and
+// whose epilogue applies the activation to the fp32 accumulators:
+//   h_pre[r, :] = x[source_of[r] / top_k, :] · W_e^T,   h[r, j] = act(gate j, up j)
+//
+//   warp            role                                            registers
+//   0               producer: per-row TMA loads of x (box 64 x 1,   40
+//                   one per tile row and k-block) and two 128-row
+//                   TMA boxes of W_e per k-block (gate and up)
+//   1               builds the group table, then idle               40
+//   2-3             idle (their registers go to the MMA)            40
+//   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + epilogue    232
+//
+// Composition: mainloop = CUTLASS's sm90 TMA/GMMA collective for the MMA side only (its
+// shared-memory layouts, pipeline and mma/mma_tail); the producer is ours because CUTLASS's
+// load() copies whole boxes; tile order = sched::ContiguousGroupScheduler; store =
+// epilogue/activation_rows.cuh.
+//
+// NOTES (the gather): a row-gathering TMA box of 64 x 1 lands at the row's place in the
+// 128-byte-swizzled stage; the swizzle is a function of the shared-memory address (the
+// stage is 1024-byte aligned), so the per-row boxes build exactly the layout one 128 x 64
+// box would. Every tile row is loaded (rows past the last routed row read a valid token)
+// so each stage always receives its full transaction byte count.
+// NOTES (the tile's columns): the B stage holds 256 rows of W_e as two 128-row boxes. Split
+// layout: gate rows j0..j0+127 then up rows I+j0..; interleaved: W rows 2*j0..2*j0+255;
+// RELU2 (no up half): W rows j0'..j0'+255. A thread's accumulator holds column c and c+128
+// in the same registers' lane position (WGMMA column blocks j and j+16), and adjacent
+// column pairs, so every (gate, up) pair meets in one thread without shuffles.
+#pragma once
+
+#include <cuda.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "moefuse/epilogue/activation_rows.cuh"
+#include "moefuse/moe_abi.h"
+#include "moefuse/sched/grouped_contiguous.cuh"
+
+namespace moefuse::kernel {
+
+template <class Mainloop_, int kMaxGroups_>
+struct Sm90GateUpFused {
+  using Mainloop = Mainloop_;
+  using TileShape = typename Mainloop::TileShape;
+  using TiledMma = typename Mainloop::TiledMma;
+  using MainloopPipeline = typename Mainloop::MainloopPipeline;
+  using PipelineState = typename Mainloop::PipelineState;
+  using SmemLayoutA = typename Mainloop::SmemLayoutA;
+  using SmemLayoutB = typename Mainloop::SmemLayoutB;
+  static constexpr int kMaxGroups = kMaxGroups_;
+  static constexpr int kTileM = cute::size<0>(TileShape{});
+  static constexpr int kTileN = cute::size<1>(TileShape{});
+  static constexpr int kTileK = cute::size<2>(TileShape{});
+  using Scheduler = sched::ContiguousGroupScheduler<kTileM, 1, kMaxGroups>;
+  static_assert(kTileM == 128 && kTileN == 256 && kTileK == 64,
+                "sm90 fused gate_up: tiles of 128 x 256 x 64 (two 128-row W boxes, one 128-byte row per k-block)");
+  static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1, "sm90 fused gate_up: no cluster");
+
+  static constexpr int kThreads = 384;
+  static constexpr int kMmaThreads = 256;
+  static constexpr uint32_t kLoadRegisters = 40;
+  static constexpr uint32_t kMmaRegisters = 232;
+  static constexpr uint32_t kEpilogueBarrier = 1;
+  static constexpr int kRowsPerLane = kTileM / 32;
+  static constexpr int kStageElementsA = kTileM * kTileK;
+  static constexpr int kStageElementsB = kTileN * kTileK;
+
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+    alignas(16) typename Scheduler::Table groups;
+    epilogue::MaskedRowsStorage epilogue;
+  };
+  static constexpr int kSharedBytes = int(sizeof(SharedStorage));
+
+  struct Params {
+    CUtensorMap tmap_x;  // x [tokens, hidden]: box 64 x 1, 128-byte swizzle
+    CUtensorMap tmap_w;  // w [E, W, hidden]: box 64 x 128 x 1, 128-byte swizzle
+    typename Mainloop::Params mainloop;  // only for mma()'s signature (it reads none of it)
+    const int32_t* offsets;
+    const int32_t* source_of;
+    cutlass::bfloat16_t* h;
+    cutlass::bfloat16_t* h_pre;
+    uint32_t* errors;
+    int groups;
+    int max_rows;  // tokens * top_k
+    int top_k;
+    int hidden;
+    int inter;
+    int width;     // W: 2 * inter gated, inter for RELU2
+    int act;
+    int layout;
+    float alpha;
+    float limit;
+    int band;
+    int n_fast;
+    int interleave;
+  };
+
+  enum class Role { Producer, Idle, Consumer };
+
+  // The h columns one tile covers: 128 gated, 256 for RELU2.
+  CUTE_HOST_DEVICE static int h_cols_per_tile(int act) {
+    return act == MOEFUSE_ACTIVATION_RELU2 ? kTileN : kTileN / 2;
+  }
+
+  // First W row of each of the tile's two 128-row boxes.
+  CUTE_DEVICE static void w_rows(Params const& p, int n_block, int& first, int& second) {
+    const int j0 = n_block * h_cols_per_tile(p.act);
+    if (p.act == MOEFUSE_ACTIVATION_RELU2) {
+      first = j0;
+      second = j0 + 128;
+    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
+      first = j0;
+      second = p.inter + j0;
+    } else {
+      first = 2 * j0;
+      second = 2 * j0 + 128;
+    }
+  }
+
+  CUTE_DEVICE static void drain(MainloopPipeline& pipeline, PipelineState read, int k_tiles) {
+    for (; k_tiles > 0; --k_tiles) {
+      pipeline.consumer_wait(read);
+      pipeline.consumer_release(read);
+      ++read;
+    }
+  }
+
+  // Producer perspective (warp 0, all lanes): the x rows of one tile's k-blocks, gathered.
+  CUTE_DEVICE static void load_tile(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
+                                    SharedStorage& shared, sched::GroupTile const& tile, int total_rows,
+                                    int k_tiles, int lane) {
+    using namespace cute;
+    // The token row of each of this lane's tile rows (rows lane, lane + 32, ...).
+    int token[kRowsPerLane];
+    int fallback = 0;
+    CUTE_UNROLL
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int row = tile.row0 + lane + 32 * i;
+      token[i] = -1;
+      if (row < total_rows) {
+        const int src = p.source_of[row];
+        if (src >= 0 && src < p.max_rows) {
+          token[i] = src / p.top_k;
+        } else if (p.errors != nullptr) {
+          atomicOr(p.errors, MOEFUSE_MOE_ERROR_SOURCE);
+        }
+      }
+      if (token[i] >= 0) fallback = token[i];
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kRowsPerLane; ++i) token[i] = token[i] < 0 ? fallback : token[i];
+    int w_first = 0, w_second = 0;
+    w_rows(p, tile.n_block, w_first, w_second);
+    auto* smem_a = shared.tensors.smem_A.data();
+    auto* smem_b = shared.tensors.smem_B.data();
+    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+    for (int kb = 0; kb < k_tiles; ++kb) {
+      pipeline.producer_acquire(write);  // every lane waits; lane 0 expects the stage's bytes
+      uint64_t* barrier = pipeline.producer_get_barrier(write);
+      const int stage = int(write.index());
+      const int k0 = kb * kTileK;
+      auto* a = smem_a + stage * kStageElementsA;
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsPerLane; ++i) {
+        SM90_TMA_LOAD_2D::copy(&p.tmap_x, barrier, kHint, a + (lane + 32 * i) * kTileK, k0, token[i]);
+      }
+      if (lane == 0) {
+        auto* b = smem_b + stage * kStageElementsB;
+        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, k0, w_first, tile.group);
+        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, k0, w_second, tile.group);
+      }
+      ++write;
+    }
+  }
+
+  CUTE_DEVICE void operator()(Params const& p, char* smem) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace cute;
+    SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem);
+
+    const int thread_idx = int(threadIdx.x);
+    const int warp_idx = cutlass::canonical_warp_idx_sync();
+    const int lane_idx = cutlass::canonical_lane_idx();
+    const int warp_group = cutlass::canonical_warp_group_idx();
+    const Role role = warp_group > 0 ? Role::Consumer : (warp_idx == 0 ? Role::Producer : Role::Idle);
+
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      cute::prefetch_tma_descriptor(&p.tmap_x);
+      cute::prefetch_tma_descriptor(&p.tmap_w);
+    }
+    if (warp_idx == 1) Scheduler::build(shared.groups, p.offsets, p.groups, p.max_rows);
+
+    typename MainloopPipeline::Params pipe_params;
+    pipe_params.role = role == Role::Producer ? MainloopPipeline::ThreadCategory::Producer
+                                              : MainloopPipeline::ThreadCategory::Consumer;
+    pipe_params.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
+    pipe_params.num_consumers = kMmaThreads;
+    pipe_params.transaction_bytes = uint32_t((kStageElementsA + kStageElementsB) * sizeof(cutlass::bfloat16_t));
+    MainloopPipeline pipeline(shared.pipeline, pipe_params, Shape<_1, _1, _1>{});
+    __syncthreads();  // barriers and the group table visible to every role
+
+    const int n_blocks = (p.inter + h_cols_per_tile(p.act) - 1) / h_cols_per_tile(p.act);
+    const int k_tiles = (p.hidden + kTileK - 1) / kTileK;
+    const int total_rows = p.groups > 0 ? shared.groups.row_end[p.groups - 1] : 0;
+    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, p.interleave != 0, int(blockIdx.x),
+                        int(gridDim.x), 0);
+    sched::GroupTile tile;
+
+    if (role != Role::Consumer) {
+      cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
+      if (role != Role::Producer) return;
+      PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
+      while (scheduler.next(tile)) load_tile(p, pipeline, write, shared, tile, total_rows, k_tiles, lane_idx);
+      // Producer tail: wait until the consumers released every stage (no early exit with
+      // loads in flight).
+      if (cute::elect_one_sync()) pipeline.producer_tail(write);
+      __syncwarp();
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
+      const int mma_thread_idx = thread_idx % kMmaThreads;
+      TiledMma tiled_mma;
+      Mainloop mainloop;
+      const int wg_row0 = get<0>(tiled_mma.get_thread_slice(mma_thread_idx)
+                                     .partition_C(make_identity_tensor(take<0, 2>(TileShape{})))(0)) /
+                          64 * 64;
+      PipelineState read;
+      epilogue::ActivationRows store{p.act, p.layout, p.inter, p.width, p.alpha, p.limit};
+      while (scheduler.next(tile)) {
+        auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
+        if (tile.rows <= wg_row0) {
+          // A group's last tile with <= 64 rows: this warp group has no rows to store (see
+          // kernel/sm90_contiguous_grouped.cuh); it releases every stage in step.
+          drain(pipeline, read, k_tiles);
+          read.advance(k_tiles);
+          continue;
+        }
+        mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
+        mainloop.mma_tail(pipeline, read, k_tiles);
+        read.advance(k_tiles);
+        store.template run<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue,
+                                      kEpilogueBarrier + wg_row0 / 64, p.h, p.h_pre, tile.row0, tile.rows,
+                                      tile.n_block);
+      }
+    }
+#else
+    // Built for another arch: the launcher's capability check keeps this from running.
+    __trap();
+#endif
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    sm90_gate_up_fused_kernel(const __grid_constant__ typename Kernel::Params params) {
+  extern __shared__ char smem[];
+  Kernel{}(params, smem);
+}
+
+}  // namespace moefuse::kernel

@@ -1,0 +1,176 @@
+// Host launcher of the fused gate_up (moe_abi.h: moefuse_moe_gate_up_fused): checks, the two
+// tensor maps (x gathered row by row, W_e in 128-row boxes) and the persistent launch of
+// kernel/sm90_gate_up_fused.cuh. A fat object like the other MoE kernels: its sm_90a image
+// carries the kernel, any other image a trap the capability check keeps from running.
+#include "cutlass/cuda_host_adapter.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "moefuse/common/stride.hpp"
+#include "moefuse/kernel/sm90_gate_up_fused.cuh"
+#include "moefuse/moe/common.cuh"
+#include "moefuse/moe_abi.h"
+
+// The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
+static_assert(sizeof(moefuse_gate_up_args) == 96, "moefuse_gate_up_args layout changed: update ffi.rs");
+static_assert(offsetof(moefuse_gate_up_args, alpha) == 32, "moefuse_gate_up_args layout changed");
+static_assert(offsetof(moefuse_gate_up_args, offsets) == 40, "moefuse_gate_up_args layout changed");
+static_assert(offsetof(moefuse_gate_up_args, errors) == 88, "moefuse_gate_up_args layout changed");
+
+namespace moefuse::moe {
+namespace {
+
+using Element = cutlass::bfloat16_t;
+using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+constexpr int kMaxGroups = 512;
+constexpr int kDefaultBand = 4;
+using Table = sched::ContiguousGroupTable<kMaxGroups>;
+using CarveOut = cute::Int<int(sizeof(Table) + sizeof(epilogue::MaskedRowsStorage)) + 64>;
+
+using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
+    cutlass::layout::ColumnMajor, 8, float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
+    cutlass::gemm::collective::StageCountAutoCarveout<CarveOut::value>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+using Kernel = kernel::Sm90GateUpFused<Mainloop, kMaxGroups>;
+
+// The per-row boxes write where the collective's layouts say row r of a stage lives: rows
+// 128 bytes apart (8-row swizzle atoms stacked along M), stages one tile apart, and the
+// 128-byte swizzle (Swizzle<3,4,3> on byte addresses, applied through the smem pointer)
+// that the tensor maps' CU_TENSOR_MAP_SWIZZLE_128B writes.
+using SmemA = typename Mainloop::SmemLayoutA;
+using SmemB = typename Mainloop::SmemLayoutB;
+static_assert(cute::is_same_v<decltype(SmemA{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
+                  cute::is_same_v<decltype(SmemB{}.layout_a()), cute::Swizzle<3, 4, 3>>,
+              "fused gate_up: A and B stages must use the 128-byte swizzle");
+static_assert(SmemA{}.layout_b()(1, 0, 0) == 64 && SmemA{}.layout_b()(8, 0, 0) == 8 * 64 &&
+                  SmemA{}.layout_b()(0, 8, 0) == 8 && SmemA{}.layout_b()(0, 0, 1) == 128 * 64,
+              "fused gate_up: A stage rows are not 128-byte rows of a 128 x 64 tile");
+static_assert(SmemB{}.layout_b()(8, 0, 0) == 8 * 64 && SmemB{}.layout_b()(128, 0, 0) == 128 * 64 &&
+                  SmemB{}.layout_b()(0, 0, 1) == 256 * 64,
+              "fused gate_up: B stage rows are not 128-byte rows of a 256 x 64 tile");
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
+  if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
+  if (a->activation < MOEFUSE_ACTIVATION_SWIGLU || a->activation > MOEFUSE_ACTIVATION_RELU2 ||
+      (a->layout != MOEFUSE_GATE_UP_SPLIT && a->layout != MOEFUSE_GATE_UP_INTERLEAVED)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: activation %d, layout %d", name, a->activation, a->layout);
+  }
+  if (a->tokens < 0 || a->top_k < 1 || a->top_k > 16 || a->experts < 1 || a->experts > kMaxGroups ||
+      a->hidden < 8 || a->intermediate < 8 || a->intermediate > (1 << 28) ||
+      int64_t(a->tokens) * a->top_k > INT32_MAX) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens=%d top_k=%d experts=%d hidden=%d intermediate=%d", name,
+                a->tokens, a->top_k, a->experts, a->hidden, a->intermediate);
+  }
+  if (a->hidden % 8 != 0 || a->intermediate % 8 != 0) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: hidden=%d and intermediate=%d must be multiples of 8", name,
+                a->hidden, a->intermediate);
+  }
+  const int band = (a->tile_order >> 8) & 0xff;
+  if ((a->tile_order & 3) == 3 || (a->tile_order & ~0x100ff03) != 0 || (band & (band - 1)) != 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: raster 0-2, band a power of two, interleave",
+                name, a->tile_order);
+  }
+  if (a->offsets == nullptr || a->source_of == nullptr || a->x == nullptr || a->w == nullptr || a->h == nullptr) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
+  }
+  if (!aligned16(a->x) || !aligned16(a->w) || !aligned16(a->h) || (a->h_pre != nullptr && !aligned16(a->h_pre)) ||
+      (reinterpret_cast<uintptr_t>(a->offsets) & 3u) || (reinterpret_cast<uintptr_t>(a->source_of) & 3u)) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: x, w, h, h_pre must be 16-byte aligned, offsets and source_of 4",
+                name);
+  }
+  return MOEFUSE_STATUS_OK;
+}
+
+// A bf16 tensor map over `dims` (innermost first) with 128-byte swizzle.
+template <int Rank>
+moefuse_status encode(CUtensorMap* map, const void* base, const cuuint64_t (&dims)[Rank],
+                      const cuuint64_t (&strides)[Rank - 1], const cuuint32_t (&box)[Rank], const char* what) {
+  cuuint32_t element_strides[Rank];
+  for (int i = 0; i < Rank; ++i) element_strides[i] = 1;
+  CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, Rank, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return fail(MOEFUSE_STATUS_CUDA_ERROR, "cuTensorMapEncodeTiled(%s) failed: %d", what, int(r));
+  return MOEFUSE_STATUS_OK;
+}
+
+moefuse_status params_of(const moefuse_gate_up_args& a, Kernel::Params& p) {
+  using namespace cute;
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int64_t width = gated ? 2 * int64_t(a.intermediate) : a.intermediate;
+  const int64_t rows = int64_t(a.tokens) * a.top_k;
+  const int64_t tokens = a.tokens > 0 ? a.tokens : 1;
+  moefuse_status st = encode<2>(&p.tmap_x, a.x, {cuuint64_t(a.hidden), cuuint64_t(tokens)},
+                                {cuuint64_t(a.hidden) * 2}, {64, 1}, "x rows");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  st = encode<3>(&p.tmap_w, a.w, {cuuint64_t(a.hidden), cuuint64_t(width), cuuint64_t(a.experts)},
+                 {cuuint64_t(a.hidden) * 2, cuuint64_t(width * a.hidden) * 2}, {64, 128, 1}, "W boxes");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  // The collective's own Params, never read by mma() (see the kernel): built over the same
+  // operands as a dense problem so every map in it is valid.
+  using StrideA = typename Mainloop::StrideA;
+  using StrideB = typename Mainloop::StrideB;
+  StrideA sa = leading_stride<StrideA>(a.hidden);
+  get<2>(sa) = 0;
+  StrideB sb = leading_stride<StrideB>(a.hidden);
+  get<2>(sb) = width * a.hidden;
+  typename Mainloop::Arguments args{reinterpret_cast<const Element*>(a.x), sa, reinterpret_cast<const Element*>(a.w), sb};
+  p.mainloop = Mainloop::to_underlying_arguments(make_shape(int(tokens), int(width), a.hidden, 1), args, nullptr);
+  const int band = (a.tile_order >> 8) & 0xff;
+  p.offsets = a.offsets;
+  p.source_of = a.source_of;
+  p.h = reinterpret_cast<Element*>(a.h);
+  p.h_pre = reinterpret_cast<Element*>(a.h_pre);
+  p.errors = a.errors;
+  p.groups = a.experts;
+  p.max_rows = int(rows);
+  p.top_k = a.top_k;
+  p.hidden = a.hidden;
+  p.inter = a.intermediate;
+  p.width = int(width);
+  p.act = a.activation;
+  p.layout = a.layout;
+  p.alpha = a.alpha;
+  p.limit = a.limit;
+  p.band = band > 0 ? band : kDefaultBand;
+  p.n_fast = (a.tile_order & 3) == 1 ? 0 : 1;
+  p.interleave = (a.tile_order >> 24) & 1;
+  return MOEFUSE_STATUS_OK;
+}
+
+}  // namespace
+}  // namespace moefuse::moe
+
+using namespace moefuse::moe;
+
+extern "C" moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* a, void* stream) {
+  const char* name = "moefuse_moe_gate_up_fused";
+  moefuse_status st = check(a, name);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  int device = 0, major = 0, minor = 0, sms = 0;
+  st = moefuse::from_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (major != 9 || minor != 0) {
+    return fail(MOEFUSE_STATUS_ARCH_MISMATCH, "%s needs compute capability 9.0 (sm_90a), device %d is %d.%d", name,
+                device, major, minor);
+  }
+  if (a->tokens == 0) return MOEFUSE_STATUS_OK;
+  Kernel::Params p{};
+  st = params_of(*a, p);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  const int h_cols = Kernel::h_cols_per_tile(a->activation);
+  const int64_t n_blocks = (a->intermediate + h_cols - 1) / h_cols;
+  const int64_t max_units = (int64_t(p.max_rows) / Kernel::kTileM + a->experts) * n_blocks;
+  auto* fn = &moefuse::kernel::sm90_gate_up_fused_kernel<Kernel>;
+  st = moefuse::from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedBytes),
+                          "cudaFuncSetAttribute(smem)");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  const int grid = int(max_units < sms ? max_units : sms);
+  fn<<<grid, Kernel::kThreads, Kernel::kSharedBytes, static_cast<cudaStream_t>(stream)>>>(p);
+  return after_launch(name);
+}

@@ -1,0 +1,122 @@
+//! The fused stages on the GPU: [`gate_up_fused`] gathers the token rows of `x` inside the
+//! gate_up GEMM's producer and applies the activation in its epilogue
+//! (kernel/sm90_gate_up_fused.cuh), so no `x_perm` copy is written and `h_pre` only when a
+//! backward needs it. Hopper (`sm_90a`) only: [`gate_up_fused_supported`] says whether the
+//! stream's device runs it.
+
+use super::{kernels_for, ActivationDesc, DeviceErrors};
+use crate::MoeError;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+use moefuse_kernels::{self as mk, Kernels, VariantArch};
+use std::sync::Arc;
+
+/// The routed rows and operands of one fused gate_up: `tokens` rows of `x [T, hidden]`, the
+/// permutation's `offsets [experts]` and `source_of [T * top_k]` (device data the kernel
+/// bounds), and the expert weights `w [experts, W, hidden]` (`W = 2I` gated, `I` for
+/// `Relu2`).
+pub struct GateUpInputs<'a> {
+    /// Tokens `T`.
+    pub tokens: usize,
+    /// Slots per token.
+    pub top_k: usize,
+    /// Experts.
+    pub experts: usize,
+    /// `D`, a multiple of 8.
+    pub hidden: usize,
+    /// `[experts]` prefix-sum ends (the permutation's).
+    pub offsets: &'a dyn DevicePtr<i32>,
+    /// `[T * top_k]` (the permutation's).
+    pub source_of: &'a dyn DevicePtr<i32>,
+    /// `[T, hidden]`.
+    pub x: &'a dyn DevicePtr<bf16>,
+    /// `[experts, W, hidden]`.
+    pub w: &'a dyn DevicePtr<bf16>,
+}
+
+/// Whether [`gate_up_fused`] runs on `stream`'s device (compute capability 9.0 and a build
+/// with the MoE kernels for `sm_90a`).
+///
+/// ```no_run
+/// let ctx = cudarc::driver::CudaContext::new(0)?;
+/// println!("fused gate_up: {}", moefuse::gpu::gate_up_fused_supported(&ctx.default_stream())?);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn gate_up_fused_supported(stream: &Arc<CudaStream>) -> Result<bool, MoeError> {
+    let kernels = Kernels::new(stream.context())?;
+    Ok(supported_by(&kernels))
+}
+
+pub(super) fn supported_by(kernels: &Kernels) -> bool {
+    kernels.arch() == VariantArch::Sm90a && mk::built_archs().contains(&VariantArch::Sm90a.name())
+}
+
+/// `h [T·k, I] = act(x[source_of / top_k] · W_eᵀ)` per expert (and `h_pre [T·k, W]`, the
+/// pre-activation, when given) on `stream`: the permutation's gather, the gate_up GEMM and
+/// [`activation_forward`](super::activation_forward) in one kernel, fp32 accumulators
+/// activated before rounding. Rows past `offsets[E-1]` are not written. A bad `source_of`
+/// entry reads token 0 and raises a bit in `errors` ([`DeviceErrors::take`]).
+///
+/// ```no_run
+/// use moefuse::gpu::{gate_up_fused, ActivationDesc, DeviceErrors, GateUpInputs};
+/// use moefuse::{Activation, GateUpLayout};
+/// let ctx = cudarc::driver::CudaContext::new(0)?;
+/// let s = ctx.default_stream();
+/// let (t, k, d, i, e) = (16, 2, 128, 64, 4);
+/// let (x, w) = (s.alloc_zeros::<half::bf16>(t * d)?, s.alloc_zeros::<half::bf16>(e * 2 * i * d)?);
+/// let (offsets, source_of) = (s.clone_htod(&[8i32, 16, 24, 32])?, s.alloc_zeros::<i32>(t * k)?);
+/// let mut h = s.alloc_zeros::<half::bf16>(t * k * i)?;
+/// let mut errors = DeviceErrors::new(&s)?;
+/// let desc = ActivationDesc::new(Activation::SwiGlu, GateUpLayout::Split, i);
+/// let inputs = GateUpInputs { tokens: t, top_k: k, experts: e, hidden: d, offsets: &offsets,
+///     source_of: &source_of, x: &x, w: &w };
+/// gate_up_fused(&desc, &s, inputs, &mut h, None, &mut errors)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn gate_up_fused(
+    desc: &ActivationDesc,
+    stream: &Arc<CudaStream>,
+    inputs: GateUpInputs<'_>,
+    h: &mut dyn DevicePtrMut<bf16>,
+    h_pre: Option<&mut dyn DevicePtrMut<bf16>>,
+    errors: &mut DeviceErrors,
+) -> Result<(), MoeError> {
+    gate_up_fused_with(None, desc, stream, inputs, h, h_pre, errors)
+}
+
+/// [`gate_up_fused`] through `kernels` (the layer's handle), or a handle bound for the call.
+pub(super) fn gate_up_fused_with(
+    kernels: Option<&Kernels>,
+    desc: &ActivationDesc,
+    stream: &Arc<CudaStream>,
+    inputs: GateUpInputs<'_>,
+    h: &mut dyn DevicePtrMut<bf16>,
+    h_pre: Option<&mut dyn DevicePtrMut<bf16>>,
+    errors: &mut DeviceErrors,
+) -> Result<(), MoeError> {
+    desc.validate()?;
+    let (kind, layout) = desc.kernel_kind();
+    let mut owned = None;
+    let kernels = kernels_for(kernels, &mut owned, stream)?;
+    kernels.launch(
+        stream,
+        mk::GateUpFused {
+            tokens: inputs.tokens,
+            top_k: inputs.top_k,
+            hidden: inputs.hidden,
+            intermediate: desc.intermediate,
+            experts: inputs.experts,
+            kind,
+            layout,
+            tile_order: 0,
+            offsets: inputs.offsets,
+            source_of: inputs.source_of,
+            x: inputs.x,
+            w: inputs.w,
+            h,
+            h_pre: h_pre.map(|p| p as &mut dyn DevicePtrMut<bf16>),
+            errors: Some(&mut errors.words),
+        },
+    )?;
+    Ok(())
+}
