@@ -2,9 +2,9 @@
 // tensor maps (x gathered row by row, W_e in 128-row boxes) and the persistent launch of
 // kernel/sm90_gate_up_fused.cuh. A fat object like the other MoE kernels: its sm_90a image
 // carries the kernel, any other image a trap the capability check keeps from running.
-#include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "moefuse/common/stride.hpp"
+#include "moefuse/common/tensor_map.hpp"
 #include "moefuse/kernel/sm90_gate_up_fused.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
@@ -82,30 +82,13 @@ moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
   return MOEFUSE_STATUS_OK;
 }
 
-// A bf16 tensor map over `dims` (innermost first) with 128-byte swizzle.
-template <int Rank>
-moefuse_status encode(CUtensorMap* map, const void* base, const cuuint64_t (&dims)[Rank],
-                      const cuuint64_t (&strides)[Rank - 1], const cuuint32_t (&box)[Rank], const char* what) {
-  cuuint32_t element_strides[Rank];
-  for (int i = 0; i < Rank; ++i) element_strides[i] = 1;
-  CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, Rank, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return fail(MOEFUSE_STATUS_CUDA_ERROR, "cuTensorMapEncodeTiled(%s) failed: %d", what, int(r));
-  return MOEFUSE_STATUS_OK;
-}
-
 moefuse_status params_of(const moefuse_gate_up_args& a, Kernel::Params& p) {
   using namespace cute;
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int64_t width = gated ? 2 * int64_t(a.intermediate) : a.intermediate;
   const int64_t rows = int64_t(a.tokens) * a.top_k;
   const int64_t tokens = a.tokens > 0 ? a.tokens : 1;
-  moefuse_status st = encode<2>(&p.tmap_x, a.x, {cuuint64_t(a.hidden), cuuint64_t(tokens)},
-                                {cuuint64_t(a.hidden) * 2}, {64, 1}, "x rows");
-  if (st != MOEFUSE_STATUS_OK) return st;
-  st = encode<3>(&p.tmap_w, a.w, {cuuint64_t(a.hidden), cuuint64_t(width), cuuint64_t(a.experts)},
+  moefuse_status st = moefuse::encode_bf16_map<3>(&p.tmap_w, a.w, {cuuint64_t(a.hidden), cuuint64_t(width), cuuint64_t(a.experts)},
                  {cuuint64_t(a.hidden) * 2, cuuint64_t(width * a.hidden) * 2}, {64, 128, 1}, "W boxes");
   if (st != MOEFUSE_STATUS_OK) return st;
   // The collective's own Params, never read by mma() (see the kernel): built over the same
@@ -121,6 +104,7 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Kernel::Params& p) {
   const int band = (a.tile_order >> 8) & 0xff;
   p.offsets = a.offsets;
   p.source_of = a.source_of;
+  p.x = reinterpret_cast<const Element*>(a.x);
   p.h = reinterpret_cast<Element*>(a.h);
   p.h_pre = reinterpret_cast<Element*>(a.h_pre);
   p.errors = a.errors;

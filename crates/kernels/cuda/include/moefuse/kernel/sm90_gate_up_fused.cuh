@@ -4,11 +4,11 @@
 //   h_pre[r, :] = x[source_of[r] / top_k, :] · W_e^T,   h[r, j] = act(gate j, up j)
 //
 //   warp            role                                            registers
-//   0               producer: per-row TMA loads of x (box 64 x 1,   40
-//                   one per tile row and k-block) and two 128-row
-//                   TMA boxes of W_e per k-block (gate and up)
-//   1               builds the group table, then idle               40
-//   2-3             idle (their registers go to the MMA)            40
+//   0-3 (WG 0)      producers: thread t copies tile row t of x      40
+//                   (its token's row, 8 x 16-byte cp.async per
+//                   k-block, swizzled by hand); thread 0 also
+//                   loads W_e's two 128-row TMA boxes per k-block;
+//                   warp 1 first builds the group table
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + epilogue    232
 //
 // Composition: mainloop = CUTLASS's sm90 TMA/GMMA collective for the MMA side only (its
@@ -16,11 +16,14 @@
 // load() copies whole boxes; tile order = sched::ContiguousGroupScheduler; store =
 // epilogue/activation_rows.cuh.
 //
-// NOTES (the gather): a row-gathering TMA box of 64 x 1 lands at the row's place in the
-// 128-byte-swizzled stage; the swizzle is a function of the shared-memory address (the
-// stage is 1024-byte aligned), so the per-row boxes build exactly the layout one 128 x 64
-// box would. Every tile row is loaded (rows past the last routed row read a valid token)
-// so each stage always receives its full transaction byte count.
+// NOTES (the gather): first built as one 64 x 1 TMA box per tile row and k-block (the
+// swizzle is a function of the shared-memory address, so the boxes land exactly where a
+// 128 x 64 box would): correct, but the TMA unit took ~65 cycles per 128-byte box, so the
+// Qwen3-30B-A3B gate_up ran 4385 us against 735 us unfused (H200, 2026-12-03). Now 128
+// threads issue 16-byte cp.async copies (the 128-byte swizzle applied by hand: chunk c of
+// row r at chunk c ^ (r % 8)), each thread's completion arriving on the stage's full
+// barrier (cp.async.mbarrier.arrive.noinc), W_e's boxes still by TMA on the same barrier:
+// 129 arrivals (thread 0's expect-tx and the 128 copies) and W's bytes complete a stage.
 // NOTES (the tile's columns): the B stage holds 256 rows of W_e as two 128-row boxes. Split
 // layout: gate rows j0..j0+127 then up rows I+j0..; interleaved: W rows 2*j0..2*j0+255;
 // RELU2 (no up half): W rows j0'..j0'+255. A thread's accumulator holds column c and c+128
@@ -62,7 +65,8 @@ struct Sm90GateUpFused {
   static constexpr uint32_t kLoadRegisters = 40;
   static constexpr uint32_t kMmaRegisters = 232;
   static constexpr uint32_t kEpilogueBarrier = 1;
-  static constexpr int kRowsPerLane = kTileM / 32;
+  static constexpr int kProducerThreads = 128;
+  static_assert(kTileM == kProducerThreads, "sm90 fused gate_up: one producer thread per tile row");
   static constexpr int kStageElementsA = kTileM * kTileK;
   static constexpr int kStageElementsB = kTileN * kTileK;
 
@@ -75,11 +79,11 @@ struct Sm90GateUpFused {
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
 
   struct Params {
-    CUtensorMap tmap_x;  // x [tokens, hidden]: box 64 x 1, 128-byte swizzle
     CUtensorMap tmap_w;  // w [E, W, hidden]: box 64 x 128 x 1, 128-byte swizzle
     typename Mainloop::Params mainloop;  // only for mma()'s signature (it reads none of it)
     const int32_t* offsets;
     const int32_t* source_of;
+    const cutlass::bfloat16_t* x;  // [tokens, hidden]
     cutlass::bfloat16_t* h;
     cutlass::bfloat16_t* h_pre;
     uint32_t* errors;
@@ -98,7 +102,7 @@ struct Sm90GateUpFused {
     int interleave;
   };
 
-  enum class Role { Producer, Idle, Consumer };
+  enum class Role { Producer, Consumer };
 
   // The h columns one tile covers: 128 gated, 256 for RELU2.
   CUTE_HOST_DEVICE static int h_cols_per_tile(int act) {
@@ -128,50 +132,51 @@ struct Sm90GateUpFused {
     }
   }
 
-  // Producer perspective (warp 0, all lanes): the x rows of one tile's k-blocks, gathered.
+  // Producer perspective (warp group 0, thread t of 128): tile row t of x, gathered, and
+  // (thread 0) W_e's two boxes, for each k-block of one tile.
   CUTE_DEVICE static void load_tile(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
                                     SharedStorage& shared, sched::GroupTile const& tile, int total_rows,
-                                    int k_tiles, int lane) {
+                                    int k_tiles, int t) {
     using namespace cute;
-    // The token row of each of this lane's tile rows (rows lane, lane + 32, ...).
-    int token[kRowsPerLane];
-    int fallback = 0;
-    CUTE_UNROLL
-    for (int i = 0; i < kRowsPerLane; ++i) {
-      const int row = tile.row0 + lane + 32 * i;
-      token[i] = -1;
-      if (row < total_rows) {
-        const int src = p.source_of[row];
-        if (src >= 0 && src < p.max_rows) {
-          token[i] = src / p.top_k;
-        } else if (p.errors != nullptr) {
-          atomicOr(p.errors, MOEFUSE_MOE_ERROR_SOURCE);
-        }
+    using Chunk = cute::uint128_t;
+    // The token row of tile row t; rows past the last routed row (the tile's tail) and bad
+    // source_of entries read token 0 (their products are never stored).
+    const int row = tile.row0 + t;
+    int token = 0;
+    if (row < total_rows) {
+      const int src = p.source_of[row];
+      if (src >= 0 && src < p.max_rows) {
+        token = src / p.top_k;
+      } else if (p.errors != nullptr) {
+        atomicOr(p.errors, MOEFUSE_MOE_ERROR_SOURCE);
       }
-      if (token[i] >= 0) fallback = token[i];
     }
-    CUTE_UNROLL
-    for (int i = 0; i < kRowsPerLane; ++i) token[i] = token[i] < 0 ? fallback : token[i];
+    const auto* x_row = reinterpret_cast<const Chunk*>(p.x + int64_t(token) * p.hidden);
     int w_first = 0, w_second = 0;
     w_rows(p, tile.n_block, w_first, w_second);
-    auto* smem_a = shared.tensors.smem_A.data();
+    auto* smem_a = reinterpret_cast<Chunk*>(shared.tensors.smem_A.data());
     auto* smem_b = shared.tensors.smem_B.data();
     constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+    constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
+    constexpr int kChunks = kTileK / 8;  // 16-byte chunks per row and k-block
     for (int kb = 0; kb < k_tiles; ++kb) {
-      pipeline.producer_acquire(write);  // every lane waits; lane 0 expects the stage's bytes
+      pipeline.producer_acquire(write);  // every producer waits; thread 0 arrives (no bytes yet)
       uint64_t* barrier = pipeline.producer_get_barrier(write);
       const int stage = int(write.index());
-      const int k0 = kb * kTileK;
-      auto* a = smem_a + stage * kStageElementsA;
-      CUTE_UNROLL
-      for (int i = 0; i < kRowsPerLane; ++i) {
-        SM90_TMA_LOAD_2D::copy(&p.tmap_x, barrier, kHint, a + (lane + 32 * i) * kTileK, k0, token[i]);
-      }
-      if (lane == 0) {
+      if (t == 0) {
+        cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesB);
         auto* b = smem_b + stage * kStageElementsB;
-        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, k0, w_first, tile.group);
-        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, k0, w_second, tile.group);
+        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
+        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
       }
+      Chunk* a_row = smem_a + (stage * kStageElementsA + t * kTileK) / 8;
+      CUTE_UNROLL
+      for (int c = 0; c < kChunks; ++c) {
+        const int k_chunk = kb * kChunks + c;
+        const bool valid = k_chunk * 8 < p.hidden;  // hidden % 8 == 0: a chunk is all in or all out
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_row[valid ? k_chunk : 0], a_row[c ^ (t & 7)], valid);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       ++write;
     }
   }
@@ -183,14 +188,10 @@ struct Sm90GateUpFused {
 
     const int thread_idx = int(threadIdx.x);
     const int warp_idx = cutlass::canonical_warp_idx_sync();
-    const int lane_idx = cutlass::canonical_lane_idx();
     const int warp_group = cutlass::canonical_warp_group_idx();
-    const Role role = warp_group > 0 ? Role::Consumer : (warp_idx == 0 ? Role::Producer : Role::Idle);
+    const Role role = warp_group > 0 ? Role::Consumer : Role::Producer;
 
-    if (warp_idx == 0 && cute::elect_one_sync()) {
-      cute::prefetch_tma_descriptor(&p.tmap_x);
-      cute::prefetch_tma_descriptor(&p.tmap_w);
-    }
+    if (warp_idx == 0 && cute::elect_one_sync()) cute::prefetch_tma_descriptor(&p.tmap_w);
     if (warp_idx == 1) Scheduler::build(shared.groups, p.offsets, p.groups, p.max_rows);
 
     typename MainloopPipeline::Params pipe_params;
@@ -198,7 +199,10 @@ struct Sm90GateUpFused {
                                               : MainloopPipeline::ThreadCategory::Consumer;
     pipe_params.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
     pipe_params.num_consumers = kMmaThreads;
-    pipe_params.transaction_bytes = uint32_t((kStageElementsA + kStageElementsB) * sizeof(cutlass::bfloat16_t));
+    // Full barriers: thread 0's arrive in producer_acquire plus one cp.async arrival per
+    // producer thread; W's bytes are expected by thread 0 per stage (transaction_bytes 0).
+    pipe_params.num_producers = 1 + kProducerThreads;
+    pipe_params.transaction_bytes = 0;
     MainloopPipeline pipeline(shared.pipeline, pipe_params, Shape<_1, _1, _1>{});
     __syncthreads();  // barriers and the group table visible to every role
 
@@ -211,12 +215,11 @@ struct Sm90GateUpFused {
 
     if (role != Role::Consumer) {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
-      if (role != Role::Producer) return;
       PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
-      while (scheduler.next(tile)) load_tile(p, pipeline, write, shared, tile, total_rows, k_tiles, lane_idx);
+      while (scheduler.next(tile)) load_tile(p, pipeline, write, shared, tile, total_rows, k_tiles, thread_idx);
       // Producer tail: wait until the consumers released every stage (no early exit with
       // loads in flight).
-      if (cute::elect_one_sync()) pipeline.producer_tail(write);
+      if (warp_idx == 0 && cute::elect_one_sync()) pipeline.producer_tail(write);
       __syncwarp();
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();

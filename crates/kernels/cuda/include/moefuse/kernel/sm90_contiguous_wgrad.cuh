@@ -1,0 +1,241 @@
+// Hopper (sm_90a) persistent K-grouped bf16 GEMM over the contiguous grouped layout (the
+// weight gradient of an M-grouped layer):
+//   D_e = alpha * A[rows_e, :]^T · B[rows_e, :] + beta * D_e      (D_e = d + e*m*n, [m, n])
+// with A [total_rows, m] and B [total_rows, n] row-major: both operands are MN-major for the
+// tensor cores and the reduction runs over the group's rows.
+//
+//   warp            role                                              registers
+//   0-3 (WG 0)      producers: per 64-row chunk of the group, thread  40
+//                   0 loads A as two 64 x 64 TMA boxes and B as four;
+//                   a group's last, partial chunk is copied by all
+//                   128 threads with 16-byte cp.async (swizzled by
+//                   hand), rows past the group's end zero-filled
+//   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + store         232
+//
+// Composition: CUTLASS's sm90 TMA/GMMA collective for the MMA side (its shared-memory
+// layouts, pipeline and mma/mma_tail); the producer is ours because a TMA box cannot stop at
+// a group's end (the next group's rows would enter the reduction); tiles walk (group,
+// m-block, n-block) with the n-blocks of one (group, m-block) on consecutive CTAs (they share
+// A's rows in L2); store = epilogue::store_masked_rows.
+// NOTES: every stage's full barrier takes 129 arrivals: thread 0's in producer_acquire and
+// one per producer thread (a plain arrive after a TMA chunk, whose bytes thread 0 expects;
+// a cp.async arrival after a partial one). 64 x 1 TMA boxes for the partial chunk cost ~65
+// cycles each on the H200 (the fused gate_up's first producer), hence cp.async there.
+// NOTES: CUTLASS's ptr-array grouped wgrad ran at 0.68x dense on the Qwen3 shapes (its
+// per-group tensor-map rewrites sit on the critical path of ~8-chunk reductions); here the
+// maps are built once on the host and never change.
+#pragma once
+
+#include <cuda.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "moefuse/common/group_layout.cuh"
+#include "moefuse/epilogue/masked_rows.cuh"
+
+namespace moefuse::kernel {
+
+template <class Mainloop_>
+struct Sm90ContiguousWgrad {
+  using Mainloop = Mainloop_;
+  using TileShape = typename Mainloop::TileShape;
+  using TiledMma = typename Mainloop::TiledMma;
+  using MainloopPipeline = typename Mainloop::MainloopPipeline;
+  using PipelineState = typename Mainloop::PipelineState;
+  static constexpr int kTileM = cute::size<0>(TileShape{});
+  static constexpr int kTileN = cute::size<1>(TileShape{});
+  static constexpr int kTileK = cute::size<2>(TileShape{});
+  static_assert(kTileM == 128 && kTileK == 64 && kTileN % 64 == 0 && kTileN <= 256,
+                "sm90 contiguous wgrad: 128 x N x 64 tiles (64-wide MN strips, 64-row chunks)");
+  static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1, "sm90 contiguous wgrad: no cluster");
+
+  static constexpr int kThreads = 384;
+  static constexpr int kMmaThreads = 256;
+  static constexpr uint32_t kLoadRegisters = 40;
+  static constexpr uint32_t kMmaRegisters = 232;
+  static constexpr uint32_t kEpilogueBarrier = 1;
+  static constexpr int kStripsA = kTileM / 64;
+  static constexpr int kStripsB = kTileN / 64;
+  static constexpr int kStrip = 64 * kTileK;
+  static constexpr int kProducerThreads = 128;
+  static_assert(kTileK * 2 == kProducerThreads, "two producer threads per row of a partial chunk");  // elements of one 64-wide strip of a stage
+  static constexpr int kStageElementsA = kTileM * kTileK;
+  static constexpr int kStageElementsB = kTileN * kTileK;
+
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+    epilogue::MaskedRowsStorage epilogue;
+  };
+  static constexpr int kSharedBytes = int(sizeof(SharedStorage));
+
+  struct Params {
+    CUtensorMap a_chunk;  // A [total_rows, m]: box 64 x 64 (m, rows), 128-byte swizzle
+    CUtensorMap b_chunk;  // B [total_rows, n]: box 64 x 64
+    typename Mainloop::Params mainloop;  // only for mma()'s signature (it reads none of it)
+    const int32_t* offsets;
+    const cutlass::bfloat16_t* a;  // [total_rows, m]
+    const cutlass::bfloat16_t* b;  // [total_rows, n]
+    cutlass::bfloat16_t* d;
+    int groups;
+    int total_rows;
+    int m;
+    int n;
+    float alpha;
+    float beta;
+  };
+
+  struct Tile {
+    int group, m_block, n_block;
+    GroupRows rows;
+  };
+
+  enum class Role { Producer, Consumer };
+
+  CUTE_DEVICE static bool tile_at(Params const& p, int index, int m_blocks, int n_blocks, Tile& t) {
+    const int per_group = m_blocks * n_blocks;
+    if (index >= p.groups * per_group) return false;
+    t.group = index / per_group;
+    const int r = index - t.group * per_group;
+    t.m_block = r / n_blocks;
+    t.n_block = r - t.m_block * n_blocks;
+    t.rows = group_rows(p.offsets, t.group, p.total_rows);
+    return true;
+  }
+
+  // Producer perspective (warp group 0, thread t of 128): the chunks of one tile.
+  CUTE_DEVICE static void load_tile(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
+                                    SharedStorage& shared, Tile const& t, int thread) {
+    using namespace cute;
+    using Chunk = cute::uint128_t;
+    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+    constexpr uint32_t kBytes = (kStageElementsA + kStageElementsB) * sizeof(cutlass::bfloat16_t);
+    constexpr int kStrips = kStripsA + kStripsB;
+    static_assert(kStrips % 2 == 0, "two producer threads per row share its strips");
+    const int m0 = t.m_block * kTileM, n0 = t.n_block * kTileN;
+    const int chunks = (t.rows.rows() + kTileK - 1) / kTileK;
+    auto* smem_a = shared.tensors.smem_A.data();
+    auto* smem_b = shared.tensors.smem_B.data();
+    for (int c = 0; c < chunks; ++c) {
+      pipeline.producer_acquire(write);  // every producer waits; thread 0 arrives (no bytes yet)
+      uint64_t* barrier = pipeline.producer_get_barrier(write);
+      const int stage = int(write.index());
+      auto* a = smem_a + stage * kStageElementsA;
+      auto* b = smem_b + stage * kStageElementsB;
+      const int r0 = t.rows.start + c * kTileK;
+      if (r0 + kTileK <= t.rows.end) {
+        if (thread == 0) {
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytes);
+          CUTE_UNROLL
+          for (int s = 0; s < kStripsA; ++s) {
+            SM90_TMA_LOAD_2D::copy(&p.a_chunk, barrier, kHint, a + s * kStrip, m0 + 64 * s, r0);
+          }
+          CUTE_UNROLL
+          for (int s = 0; s < kStripsB; ++s) {
+            SM90_TMA_LOAD_2D::copy(&p.b_chunk, barrier, kHint, b + s * kStrip, n0 + 64 * s, r0);
+          }
+        }
+        cutlass::arch::ClusterBarrier::arrive(barrier);
+      } else {
+        // The group's last chunk: row k of the chunk by threads 2k and 2k + 1, half of its
+        // strips each; rows past the group's end and columns past the matrix are zeros.
+        const int k = thread / 2;
+        const int row = r0 + k;
+        const bool live = row < t.rows.end;
+#pragma unroll 1  // the producers run on 40 registers
+        for (int h = 0; h < kStrips / 2; ++h) {
+          const int s = (thread % 2) * (kStrips / 2) + h;
+          const bool is_a = s < kStripsA;
+          const int col0 = is_a ? m0 + 64 * s : n0 + 64 * (s - kStripsA);
+          const int width = is_a ? p.m : p.n;
+          const auto* src = reinterpret_cast<const Chunk*>((is_a ? p.a : p.b) + int64_t(live ? row : 0) * width);
+          auto* dst = reinterpret_cast<Chunk*>((is_a ? a + s * kStrip : b + (s - kStripsA) * kStrip) + k * 64);
+          CUTE_UNROLL
+          for (int q = 0; q < 8; ++q) {
+            const bool valid = live && col0 + 8 * q < width;  // width % 8 == 0
+            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(src[valid ? col0 / 8 + q : 0], dst[q ^ (k & 7)], valid);
+          }
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
+      }
+      ++write;
+    }
+  }
+
+  CUTE_DEVICE void operator()(Params const& p, char* smem) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace cute;
+    SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem);
+    const int thread_idx = int(threadIdx.x);
+    const int warp_idx = cutlass::canonical_warp_idx_sync();
+    const int warp_group = cutlass::canonical_warp_group_idx();
+    const Role role = warp_group > 0 ? Role::Consumer : Role::Producer;
+
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      cute::prefetch_tma_descriptor(&p.a_chunk);
+      cute::prefetch_tma_descriptor(&p.b_chunk);
+    }
+    typename MainloopPipeline::Params pipe_params;
+    pipe_params.role = role == Role::Producer ? MainloopPipeline::ThreadCategory::Producer
+                                              : MainloopPipeline::ThreadCategory::Consumer;
+    pipe_params.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
+    pipe_params.num_consumers = kMmaThreads;
+    pipe_params.num_producers = 1 + kProducerThreads;
+    pipe_params.transaction_bytes = 0;  // thread 0 expects a TMA chunk's bytes itself
+    MainloopPipeline pipeline(shared.pipeline, pipe_params, Shape<_1, _1, _1>{});
+    __syncthreads();
+
+    const int m_blocks = (p.m + kTileM - 1) / kTileM;
+    const int n_blocks = (p.n + kTileN - 1) / kTileN;
+    Tile tile;
+    if (role != Role::Consumer) {
+      cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
+      PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
+      for (int i = int(blockIdx.x); tile_at(p, i, m_blocks, n_blocks, tile); i += int(gridDim.x)) {
+        load_tile(p, pipeline, write, shared, tile, thread_idx);
+      }
+      if (warp_idx == 0 && cute::elect_one_sync()) pipeline.producer_tail(write);
+      __syncwarp();
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
+      const int mma_thread_idx = thread_idx % kMmaThreads;
+      TiledMma tiled_mma;
+      Mainloop mainloop;
+      const int wg_row0 = get<0>(tiled_mma.get_thread_slice(mma_thread_idx)
+                                     .partition_C(make_identity_tensor(take<0, 2>(TileShape{})))(0)) /
+                          64 * 64;
+      PipelineState read;
+      for (int i = int(blockIdx.x); tile_at(p, i, m_blocks, n_blocks, tile); i += int(gridDim.x)) {
+        const int k_tiles = (tile.rows.rows() + kTileK - 1) / kTileK;
+        auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
+        if (k_tiles > 0) {
+          mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
+          mainloop.mma_tail(pipeline, read, k_tiles);
+          read.advance(k_tiles);
+        } else if (p.beta != 0.f) {
+          continue;  // an empty group with beta != 0: D_e left untouched (abi.h)
+        } else {
+          clear(acc);  // an empty group: D_e = 0
+        }
+        const int m0 = tile.m_block * kTileM, n0 = tile.n_block * kTileN;
+        cutlass::bfloat16_t* d = p.d + int64_t(tile.group) * p.m * p.n;
+        epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue,
+                                               kEpilogueBarrier + wg_row0 / 64, d, int64_t(p.n), m0,
+                                               min(kTileM, p.m - m0), n0, min(kTileN, p.n - n0), p.alpha, p.beta);
+      }
+    }
+#else
+    __trap();
+#endif
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    sm90_contiguous_wgrad_kernel(const __grid_constant__ typename Kernel::Params params) {
+  extern __shared__ char smem[];
+  Kernel{}(params, smem);
+}
+
+}  // namespace moefuse::kernel

@@ -1,0 +1,154 @@
+// Hopper (sm_90a) K-grouped bf16 GEMM (wgrad) over the contiguous grouped layout:
+// CUTLASS's cooperative TMA/WGMMA mainloop collective (MN-major A and B) inside moefuse's own
+// persistent kernel (kernel/sm90_contiguous_wgrad.cuh), with the host launcher. Same C entry
+// points as every grouped variant; no workspace.
+#pragma once
+
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "moefuse/abi.h"
+#include "moefuse/common/status.hpp"
+#include "moefuse/common/tensor_map.hpp"
+#include "moefuse/kernel/sm90_contiguous_wgrad.cuh"
+#include "moefuse/sm90/contiguous_grouped_gemm.cuh"
+
+namespace moefuse::sm90 {
+
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, class Schedule, moefuse_b_layout BL>
+struct ContiguousWgradBf16 {
+  static_assert(ClusterM == 1 && ClusterN == 1, "sm90 contiguous wgrad: no clusters");
+  static constexpr int kMajor = 9;
+  static constexpr int kMinor = 0;
+  using Element = cutlass::bfloat16_t;
+  using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using CarveOut = cute::Int<int(sizeof(epilogue::MaskedRowsStorage)) + 64>;
+  // A^T: A [rows, m] row-major is M-major (ColumnMajor for CUTLASS's M x K A); B [rows, n]
+  // row-major is N-major (RowMajor for its K x N B).
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
+      cutlass::layout::RowMajor, 8, float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
+      cutlass::gemm::collective::StageCountAutoCarveout<CarveOut::value>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop>;
+
+  // The boxes write where the collective's layouts put them: 64-wide MN strips of
+  // 64 x 128-byte rows (one row per reduction index), strips one after the other.
+  using SmemA = typename CollectiveMainloop::SmemLayoutA;
+  using SmemB = typename CollectiveMainloop::SmemLayoutB;
+  static_assert(cute::is_same_v<decltype(SmemA{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
+                    cute::is_same_v<decltype(SmemB{}.layout_a()), cute::Swizzle<3, 4, 3>>,
+                "sm90 contiguous wgrad: 128-byte swizzled stages");
+  static_assert(SmemA{}.layout_b()(1, 0, 0) == 1 && SmemA{}.layout_b()(0, 1, 0) == 64 &&
+                    SmemA{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
+                    SmemA{}.layout_b()(0, 0, 1) == Kernel::kStageElementsA,
+                "sm90 contiguous wgrad: A stage is not 64-wide strips of 128-byte rows");
+  static_assert(SmemB{}.layout_b()(1, 0, 0) == 1 && SmemB{}.layout_b()(0, 1, 0) == 64 &&
+                    SmemB{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
+                    SmemB{}.layout_b()(0, 0, 1) == Kernel::kStageElementsB,
+                "sm90 contiguous wgrad: B stage is not 64-wide strips of 128-byte rows");
+};
+
+template <class Config>
+struct ContiguousWgradLauncher {
+  using Kernel = typename Config::Kernel;
+  using Mainloop = typename Config::CollectiveMainloop;
+  using Params = typename Kernel::Params;
+  using Element = cutlass::bfloat16_t;
+
+  static moefuse_status check(const moefuse_grouped_gemm_args* p, const char* name) {
+    if (p == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
+    if (p->num_groups < 0 || p->total_rows < 0 || p->n <= 0 || p->k <= 0) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: groups=%d rows=%d n=%d k=%d", name, p->num_groups,
+                  p->total_rows, p->n, p->k);
+    }
+    // The tile walk is fixed (group, m-block, n-block); tile_order asks for nothing here.
+    if (p->tile_order != 0) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: the contiguous wgrad takes 0", name,
+                  p->tile_order);
+    }
+    if (p->n % 8 != 0 || p->k % 8 != 0) {
+      return fail(MOEFUSE_STATUS_MISALIGNED, "%s: n=%d and k=%d must be multiples of 8 (16-byte rows)", name, p->n,
+                  p->k);
+    }
+    if (int64_t(p->num_groups) * ((p->k + 127) / 128) * ((p->n + Kernel::kTileN - 1) / Kernel::kTileN) > INT32_MAX) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: too many tiles", name);
+    }
+    return MOEFUSE_STATUS_OK;
+  }
+
+  // 0 means "refused" to a grouped workspace query, so an accepted problem asks for one
+  // unused 256-byte slot (as the M-grouped contiguous variants do).
+  static size_t workspace(const moefuse_grouped_gemm_args* p, const char* name) {
+    if (check(p, name) != MOEFUSE_STATUS_OK) return 0;
+    int device = 0, sms = 0;
+    if (check_device(Config::kMajor, Config::kMinor, name, &sms, &device) != MOEFUSE_STATUS_OK) return 0;
+    return 256;
+  }
+
+  static moefuse_status params(const moefuse_grouped_gemm_args& p, Params& out) {
+    using namespace cute;
+    // The maps span the total_rows rows (at least 1); only whole chunks inside a group use them.
+    const cuuint64_t rows = cuuint64_t(p.total_rows > 0 ? p.total_rows : 1);
+    const cuuint64_t m = cuuint64_t(p.k), n = cuuint64_t(p.n);
+    moefuse_status st = encode_bf16_map<2>(&out.a_chunk, p.a, {m, rows}, {m * 2}, {64, 64}, "A chunks");
+    if (st == MOEFUSE_STATUS_OK) st = encode_bf16_map<2>(&out.b_chunk, p.b, {n, rows}, {n * 2}, {64, 64}, "B chunks");
+    if (st != MOEFUSE_STATUS_OK) return st;
+    using StrideA = typename Mainloop::StrideA;
+    using StrideB = typename Mainloop::StrideB;
+    StrideA sa{};
+    get<1>(sa) = p.k;  // (_1, ld, L): M-major
+    StrideB sb{};
+    get<1>(sb) = p.n;  // (_1, ld, L): N-major
+    typename Mainloop::Arguments args{reinterpret_cast<const Element*>(p.a), sa, reinterpret_cast<const Element*>(p.b),
+                                      sb};
+    out.mainloop = Mainloop::to_underlying_arguments(make_shape(p.k, p.n, int(rows), 1), args, nullptr);
+    out.offsets = p.offsets;
+    out.a = static_cast<const Element*>(p.a);
+    out.b = static_cast<const Element*>(p.b);
+    out.d = static_cast<Element*>(p.d);
+    out.groups = p.num_groups;
+    out.total_rows = p.total_rows;
+    out.m = p.k;
+    out.n = p.n;
+    out.alpha = p.alpha;
+    out.beta = p.beta;
+    return MOEFUSE_STATUS_OK;
+  }
+
+  static moefuse_status run(const moefuse_grouped_gemm_args* p, void* ws, size_t ws_bytes, cudaStream_t stream,
+                            const char* name) {
+    (void)ws;
+    (void)ws_bytes;
+    moefuse_status st = check(p, name);
+    if (st != MOEFUSE_STATUS_OK || p->num_groups == 0) return st;
+    st = check_grouped_pointers(p, name);
+    if (st != MOEFUSE_STATUS_OK) return st;
+    int device = 0, sms = 0;
+    st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
+    if (st != MOEFUSE_STATUS_OK) return st;
+    Params prm{};
+    st = params(*p, prm);
+    if (st != MOEFUSE_STATUS_OK) return st;
+    const int64_t tiles = int64_t(p->num_groups) * ((p->k + Kernel::kTileM - 1) / Kernel::kTileM) *
+                          ((p->n + Kernel::kTileN - 1) / Kernel::kTileN);
+    auto* fn = &kernel::sm90_contiguous_wgrad_kernel<Kernel>;
+    st = from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedBytes),
+                   "cudaFuncSetAttribute(smem)");
+    if (st != MOEFUSE_STATUS_OK) return st;
+    const int grid = int(tiles < sms ? tiles : sms);
+    fn<<<grid, Kernel::kThreads, Kernel::kSharedBytes, stream>>>(prm);
+    return from_cuda(cudaGetLastError(), name);
+  }
+};
+
+}  // namespace moefuse::sm90
+
+// Defines the two C entry points of one contiguous wgrad variant (generated instance files).
+#define MOEFUSE_DEFINE_CONTIGUOUS_WGRAD(NAME, ...)                                                  \
+  extern "C" size_t moefuse_##NAME##_workspace(const moefuse_grouped_gemm_args* args) {              \
+    return moefuse::sm90::ContiguousWgradLauncher<__VA_ARGS__>::workspace(args, #NAME); \
+  }                                                                                                  \
+  extern "C" moefuse_status moefuse_##NAME(const moefuse_grouped_gemm_args* args, void* workspace,   \
+                                           size_t workspace_bytes, void* stream) {                   \
+    return moefuse::sm90::ContiguousWgradLauncher<__VA_ARGS__>::run(                  \
+        args, workspace, workspace_bytes, static_cast<cudaStream_t>(stream), #NAME);                 \
+  }
