@@ -8,7 +8,7 @@
 //! | `build-kernels --sm 90a,100a` | compiles the kernels (parallel, cached, progress bars) |
 //! | `inspect` | checks the built objects hold sm_90a/sm_100a SASS with HGMMA/UTCHMMA |
 //! | `test` | setup, gen-variants --check, gen-spec --check, bindgen --check, build-kernels, inspect, `cargo test --workspace`, check-consumer |
-//! | `check-consumer` | `cargo package --list`, `DOCS_RS` docs without a toolchain, an outside crate on a second checkout |
+//! | `check-consumer` | `cargo package --list`, `DOCS_RS` docs without a toolchain, an outside crate on a second checkout (grouped-gemm; moefuse-candle with candle's `cuda`) |
 //! | `demo` | the MoE-layer example: this GPU's arch only, or (no GPU) the CPU reference without kernels |
 //! | `device-pack` | builds GPU test and bench binaries into `.device-pack/` for the H200 |
 //! | `candle-pack` | builds `moefuse-candle`'s GPU test and example (`--features cuda`) into `.device-pack-candle/` |
@@ -81,14 +81,17 @@ enum Task {
         args: Vec<String>,
     },
     /// Check moefuse as an ordinary dependency: packages carry their CUDA sources, docs
-    /// build with DOCS_RS and no toolchain, and a crate outside the workspace on a second
-    /// checkout builds with plain `cargo build`, compiling no kernel and no MoE unit.
+    /// build with DOCS_RS and no toolchain, a crate outside the workspace on a second
+    /// checkout builds with plain `cargo build`, compiling no kernel and no MoE unit, and so
+    /// does a library crate on moefuse-candle and candle-core (feature `cuda`, GEMM and MoE
+    /// units of the one target).
     CheckConsumer {
-        /// The one target the outside crate builds (its GEMM units must be in the cache).
+        /// The one target the outside crates build (its GEMM units must be in the cache).
         #[arg(long, default_value = "90a")]
         sm: String,
-        /// Only these checks (comma list of `package`, `docs-rs`, `consumer`).
-        #[arg(long, default_value = "package,docs-rs,consumer")]
+        /// Only these checks (comma list of `package`, `docs-rs`, `consumer`,
+        /// `candle-consumer`).
+        #[arg(long, default_value = "package,docs-rs,consumer,candle-consumer")]
         only: String,
     },
     /// Run the MoE-layer example (Qwen3-30B-A3B-sized) on this machine's GPU, building only
@@ -200,7 +203,8 @@ fn test(args: &[String]) -> Result<()> {
             .env("MOEFUSE_CUDA_ARCHS", "90a,100a"),
     )?;
     // sm_90a only: its units are in the cache from build-kernels above, so the outside
-    // crate compiles none (CI has 2 cores; a second full build would not fit).
+    // crates compile none (CI has 2 cores; a second full build would not fit); the candle
+    // crate's first checkout may compile the sm_90a-only MoE objects (consumer.rs says why).
     consumer::run(Arch::Sm90a)
 }
 

@@ -84,6 +84,7 @@ struct Sm90ContiguousWgrad {
     int n;
     float alpha;
     float beta;
+    int interleave;  // 1: the walk alternates the front and the back of the tile list
   };
 
   struct Tile {
@@ -95,7 +96,9 @@ struct Sm90ContiguousWgrad {
 
   CUTE_DEVICE static bool tile_at(Params const& p, int index, int m_blocks, int n_blocks, Tile& t) {
     const int per_group = m_blocks * n_blocks;
-    if (index >= p.groups * per_group) return false;
+    const int total = p.groups * per_group;
+    if (index >= total) return false;
+    if (p.interleave) index = (index & 1) ? total - 1 - (index >> 1) : (index >> 1);
     t.group = index / per_group;
     const int r = index - t.group * per_group;
     t.m_block = r / n_blocks;

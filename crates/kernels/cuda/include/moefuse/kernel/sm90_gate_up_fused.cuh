@@ -4,10 +4,11 @@
 //   h_pre[r, :] = x[source_of[r] / top_k, :] · W_e^T,   h[r, j] = act(gate j, up j)
 //
 //   warp            role                                            registers
-//   0-3 (WG 0)      producers: thread t copies tile row t of x      40
-//                   (its token's row, 8 x 16-byte cp.async per
-//                   k-block, swizzled by hand); thread 0 also
-//                   loads W_e's two 128-row TMA boxes per k-block;
+//   0-3 (WG 0)      producers: warp w copies tile rows 32w..32w+31  40
+//                   of x (their tokens' rows, 16-byte cp.async,
+//                   8 lanes per 128-byte row segment, swizzled by
+//                   hand); thread 0 also loads W_e's two
+//                   128-row TMA boxes per k-block;
 //                   warp 1 first builds the group table
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + epilogue    232
 //
@@ -19,10 +20,11 @@
 // NOTES (the gather): first built as one 64 x 1 TMA box per tile row and k-block (the
 // swizzle is a function of the shared-memory address, so the boxes land exactly where a
 // 128 x 64 box would): correct, but the TMA unit took ~65 cycles per 128-byte box, so the
-// Qwen3-30B-A3B gate_up ran 4385 us against 735 us unfused (H200, 2026-12-03). Now 128
-// threads issue 16-byte cp.async copies (the 128-byte swizzle applied by hand: chunk c of
-// row r at chunk c ^ (r % 8)), each thread's completion arriving on the stage's full
-// barrier (cp.async.mbarrier.arrive.noinc), W_e's boxes still by TMA on the same barrier:
+// Qwen3-30B-A3B gate_up ran 4385 us against 735 us unfused (H200, 2026-12-03); one thread
+// per row (8 chunks each, a warp instruction touching 32 rows) ran 1903 us. Now 128
+// threads issue 16-byte cp.async copies, eight lanes per 128-byte row segment (the
+// 128-byte swizzle applied by hand: chunk c of row r at chunk c ^ (r % 8)), each thread's
+// completion arriving on the stage's full barrier (cp.async.mbarrier.arrive.noinc), W_e's boxes still by TMA on the same barrier:
 // 129 arrivals (thread 0's expect-tx and the 128 copies) and W's bytes complete a stage.
 // NOTES (the tile's columns): the B stage holds 256 rows of W_e as two 128-row boxes. Split
 // layout: gate rows j0..j0+127 then up rows I+j0..; interleaved: W rows 2*j0..2*j0+255;
@@ -151,7 +153,9 @@ struct Sm90GateUpFused {
         atomicOr(p.errors, MOEFUSE_MOE_ERROR_SOURCE);
       }
     }
-    const auto* x_row = reinterpret_cast<const Chunk*>(p.x + int64_t(token) * p.hidden);
+    const auto* x_chunks = reinterpret_cast<const Chunk*>(p.x);
+    const int64_t row_chunks = p.hidden / 8;
+    const int lane = t % 32, warp = t / 32, c = lane % 8;
     int w_first = 0, w_second = 0;
     w_rows(p, tile.n_block, w_first, w_second);
     auto* smem_a = reinterpret_cast<Chunk*>(shared.tensors.smem_A.data());
@@ -159,6 +163,7 @@ struct Sm90GateUpFused {
     constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
     constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
     constexpr int kChunks = kTileK / 8;  // 16-byte chunks per row and k-block
+    static_assert(kChunks == 8, "eight threads copy one 128-byte row segment");
     for (int kb = 0; kb < k_tiles; ++kb) {
       pipeline.producer_acquire(write);  // every producer waits; thread 0 arrives (no bytes yet)
       uint64_t* barrier = pipeline.producer_get_barrier(write);
@@ -169,12 +174,18 @@ struct Sm90GateUpFused {
         SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
         SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
       }
-      Chunk* a_row = smem_a + (stage * kStageElementsA + t * kTileK) / 8;
+      // Warp w copies tile rows 32w..32w+31, four rows per instruction: eight lanes per
+      // 128-byte row segment (coalesced), each row's token broadcast from its lane.
+      Chunk* a = smem_a + stage * kStageElementsA / 8;
+      const int k_chunk = kb * kChunks + c;
+      const bool valid = k_chunk * 8 < p.hidden;  // hidden % 8 == 0: a chunk is all in or all out
       CUTE_UNROLL
-      for (int c = 0; c < kChunks; ++c) {
-        const int k_chunk = kb * kChunks + c;
-        const bool valid = k_chunk * 8 < p.hidden;  // hidden % 8 == 0: a chunk is all in or all out
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_row[valid ? k_chunk : 0], a_row[c ^ (t & 7)], valid);
+      for (int i = 0; i < 8; ++i) {
+        const int sub = i * 4 + lane / 8;  // the row within the warp's 32
+        const int r = warp * 32 + sub;
+        const int64_t tok = __shfl_sync(0xffffffffu, token, sub);
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[tok * row_chunks + (valid ? k_chunk : 0)],
+                                                     a[r * kChunks + (c ^ (r & 7))], valid);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       ++write;

@@ -60,9 +60,12 @@ struct ContiguousWgradLauncher {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: groups=%d rows=%d n=%d k=%d", name, p->num_groups,
                   p->total_rows, p->n, p->k);
     }
-    // The tile walk is fixed (group, m-block, n-block); tile_order asks for nothing here.
-    if (p->tile_order != 0) {
-      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: the contiguous wgrad takes 0", name,
+    // The tile walk is (group, m-block, n-block); of the contiguous tile-order fields only
+    // bit 24 (front and back of the walk interleaved) changes it, raster, band and prefetch
+    // are accepted and have no effect here (a K-grouped tile has no M-band to walk).
+    const int band = (p->tile_order >> 8) & 0xff;
+    if ((p->tile_order & 3) == 3 || (p->tile_order & ~0x1ffff03) != 0 || (band & (band - 1)) != 0) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: raster 0-2, band a power of two", name,
                   p->tile_order);
     }
     if (p->n % 8 != 0 || p->k % 8 != 0) {
@@ -111,6 +114,7 @@ struct ContiguousWgradLauncher {
     out.n = p.n;
     out.alpha = p.alpha;
     out.beta = p.beta;
+    out.interleave = (p.tile_order >> 24) & 1;
     return MOEFUSE_STATUS_OK;
   }
 
