@@ -302,8 +302,8 @@ fn bench_case(
             fb_us.push(a.elapsed_ms(&c)? as f64 * 1e3);
         }
     }
-    // The forward alone, per layer: Inference (what a server runs) and, where the fused
-    // gate_up is on, the same Training forward with it off (the unfused stages).
+    // The forward alone, per layer: Inference (what a server runs) and, where the device
+    // runs it, the same Training forward with the fused gate_up (opt-in) beside the default.
     let time_forward = |l: &mut MoeLayer, work: &mut MoeWorkspace, y: &mut CudaSlice<bf16>| {
         let mut us = Vec::new();
         for s in 0..(3 + args.samples) {
@@ -319,18 +319,40 @@ fn bench_case(
         Ok::<_, Error>(us)
     };
     let infer_us = time_forward(infer, work, &mut y)?;
-    let unfused_us = if layer.fused_gate_up() {
-        layer.set_fused_gate_up(false)?;
-        let us = time_forward(layer, work, &mut y);
+    let fused_us = if moefuse::gpu::gate_up_fused_supported(stream)? {
         layer.set_fused_gate_up(true)?;
-        Some(us?)
+        layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
+        let got: Vec<f32> = stream.clone_dtoh(&y)?[..n * d]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        let fused_err = rel_err(&got, &want);
+        let us = time_forward(layer, work, &mut y);
+        if args.profile {
+            layer.set_profiling(true);
+            layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
+            let f = layer.stage_times()?;
+            layer.set_profiling(false);
+            let show: Vec<String> = f
+                .iter()
+                .map(|(n, ms)| format!("{n} {:.0}", ms * 1e3))
+                .collect();
+            println!(
+                "  {model} t{t} fused gate_up stages (us): fwd [{}]",
+                show.join(", ")
+            );
+        }
+        layer.set_fused_gate_up(false)?;
+        if !moefuse_testkit::within(fused_err, 2e-2) {
+            return Err(format!(
+                "{model} t{t}: fused gate_up output differs from the host check: {fused_err}"
+            )
+            .into());
+        }
+        Some((us?, fused_err))
     } else {
         None
     };
-    println!(
-        "  {model} t{t}: fused gate_up {} (training forward, inference forward, unfused training forward below)",
-        if layer.fused_gate_up() { "on" } else { "off (not sm_90a)" }
-    );
     if args.profile {
         layer.set_profiling(true);
         layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -371,8 +393,10 @@ fn bench_case(
         rec("fwdbwd", fb_us, 3.0 * fwd_flops),
         rec("fwd-infer", infer_us, fwd_flops),
     ];
-    if let Some(us) = unfused_us {
-        out.push(rec_as("moefuse_unfused", "fwd", us, fwd_flops));
+    if let Some((us, fused_err)) = fused_us {
+        let mut r = rec_as("moefuse_fused_gate_up", "fwd", us, fwd_flops);
+        r.rel_err = fused_err;
+        out.push(r);
     }
     Ok(out)
 }

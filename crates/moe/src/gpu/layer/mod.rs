@@ -271,7 +271,6 @@ impl MoeLayer {
         let cfg = *plan.config();
         let (e, k, max_t) = (cfg.experts, cfg.top_k, plan.max_tokens());
         let gemm = GroupedGemm::new(stream.context())?;
-        let fused_gate_up = crate::gpu::fused::supported_by(gemm.kernels());
         let gemms = GemmPlans::new(&gemm, plan, mode)?;
         let ws = gemms.all().iter().map(|p| p.workspace_bytes()).max();
         let routing = RoutingState {
@@ -305,13 +304,17 @@ impl MoeLayer {
             saved,
             last: None,
             profile: Profile::default(),
-            fused_gate_up,
+            // NOTES: off by default: on the H200 the fused gate_up's gathering producer is
+            // still slower than the permutation's gather plus the plain GEMM and activation
+            // (Qwen3-30B-A3B T=8192: 1624 us against 105 + 735 + 93; docs/perf-notes.md).
+            fused_gate_up: false,
         })
     }
 
     /// Whether the forward runs the fused gate_up (the rows of x gathered inside the
     /// GEMM, the activation in its epilogue; [`gate_up_fused`](crate::gpu::gate_up_fused)).
-    /// On by default where the device runs it (sm_90a).
+    /// Off by default: it is correct, but measured slower than the unfused stages on the
+    /// H200 so far (docs/perf-notes.md); [`MoeLayer::set_fused_gate_up`] turns it on.
     ///
     /// ```no_run
     /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
@@ -325,8 +328,8 @@ impl MoeLayer {
         self.fused_gate_up
     }
 
-    /// Turns the fused gate_up on or off (off: the grouped GEMM writes `h_pre`, then the
-    /// activation kernel runs: the unfused stages, for comparison). Turning it on where
+    /// Turns the fused gate_up on or off (off, the default: the permutation gathers
+    /// `x_perm`, the grouped GEMM writes `h_pre`, then the activation kernel runs). Turning it on where
     /// the device cannot run it is [`MoeError::Unsupported`].
     ///
     /// ```no_run
