@@ -334,11 +334,27 @@ fn fused_gate_up_matches_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
                 .collect::<Vec<_>>()
         };
         moefuse_testkit::check_close(&y32(&y_fused), &y32(&y_plain), 2e-2, &what("fused y"))?;
+        let max_abs = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let scale = g_plain
+            .iter()
+            .find(|(name, _)| *name == "d_topk_weights")
+            .map_or(1.0, |(_, v)| max_abs(&as_f32(v, true)));
         for ((name, a), (_, b)) in g_fused.iter().zip(&g_plain) {
             let wide = name.starts_with("d_topk") || name.starts_with("d_logits");
             let (a, b) = (as_f32(a, wide), as_f32(b, wide));
-            if b.iter().all(|v| *v == 0.0) && a.iter().all(|v| *v == 0.0) {
-                continue; // d_logits of a case routed externally
+            // A gradient that is zero in exact arithmetic (d_logits when the layer did not
+            // route, or of a renormalised top-1 weight, which is constant 1) holds rounding
+            // noise on both paths: its relative error means nothing. Both must stay at
+            // noise level instead.
+            let noise = 1e-4 * scale;
+            if max_abs(&b) <= noise {
+                if max_abs(&a) > noise {
+                    return Err(what(&format!(
+                        "fused {name}: max {} where the default path gives noise",
+                        max_abs(&a)
+                    )));
+                }
+                continue;
             }
             moefuse_testkit::check_close(&a, &b, 2e-2, &what(&format!("fused {name}")))?;
         }
