@@ -1,0 +1,273 @@
+//! [`EpMoeLayer`]: route → dispatch → local gate_up GEMM → activation → local down GEMM →
+//! combine, on the stream of its [`ExpertParallel`].
+
+use crate::EpError;
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
+use half::bf16;
+use moefuse::gpu::{activation_forward, route, ActivationDesc, Rows};
+use moefuse::MoeConfig;
+use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
+use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
+use std::sync::Arc;
+
+/// The weights of this rank's experts (experts `rank·E/N .. (rank+1)·E/N`), borrowed from
+/// the caller for one call: `gate_up [E/N, W, D]` (`W = 2I` gated, in the config's gate/up
+/// layout; `I` for `Relu2`) and `down [E/N, D, I]`, bf16.
+///
+/// ```no_run
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let s = ctx.default_stream();
+/// let (gate_up, down) = (s.alloc_zeros::<half::bf16>(2 * 256 * 128)?, s.alloc_zeros::<half::bf16>(2 * 128 * 128)?);
+/// let w = moefuse_ep::LocalWeights { gate_up: gate_up.as_view(), down: down.as_view() };
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct LocalWeights<'w> {
+    /// `[E/N, W, D]`.
+    pub gate_up: CudaView<'w, bf16>,
+    /// `[E/N, D, I]`.
+    pub down: CudaView<'w, bf16>,
+}
+
+/// Where a forward's routing comes from.
+pub enum EpRouting<'a> {
+    /// Router logits `[T, E]` (fp32, over all experts): the layer routes with the config's
+    /// router (`MoeConfig::router`).
+    Logits(&'a CudaSlice<f32>),
+    /// Routing already on the device, read in place: expert ids `[T, k]` (global ids) and
+    /// weights `[T, k]`.
+    External {
+        /// `[T, k]` expert ids in `0..E`.
+        topk_ids: &'a CudaSlice<i32>,
+        /// `[T, k]` routing weights.
+        topk_weights: &'a CudaSlice<f32>,
+    },
+}
+
+/// One rank's part of an expert-parallel MoE layer: built collectively (every rank, same
+/// `config` and `max_tokens`), then called collectively, in the same order, on every rank.
+pub struct EpMoeLayer {
+    cfg: MoeConfig,
+    max_tokens: usize,
+    ep: ExpertParallel,
+    stream: Arc<CudaStream>,
+    gemm: GroupedGemm,
+    gate_up: GroupedPlan,
+    down: GroupedPlan,
+    gemm_ws: CudaSlice<u8>,
+    act: ActivationDesc,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    h_pre: CudaSlice<bf16>,
+    h: CudaSlice<bf16>,
+    y_e: CudaSlice<bf16>,
+}
+
+impl EpMoeLayer {
+    /// A layer of `config` for up to `max_tokens` tokens per rank and call, on `runtime`'s
+    /// world (experts split evenly over the ranks, rank r holding experts `r·E/N..`).
+    /// Collective: sizes are compared across ranks ([`moefuse_comm::CommError::ConfigMismatch`]).
+    /// Allocates the exchange's symmetric buffers and the local intermediates for the
+    /// worst case the exchange can deliver (`recv_rows_capacity` rows).
+    ///
+    /// ```no_run
+    /// # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>,
+    /// #         stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<(), moefuse_ep::EpError> {
+    /// let layer = moefuse_ep::EpMoeLayer::new(rt, stream, moefuse::MoeConfig::new(1024, 512, 16, 4), 256)?;
+    /// assert_eq!(layer.local_experts() * rt.ranks(), 16);
+    /// # Ok(()) }
+    /// ```
+    pub fn new(
+        runtime: &Arc<Runtime>,
+        stream: &Arc<CudaStream>,
+        config: MoeConfig,
+        max_tokens: usize,
+    ) -> Result<Self, EpError> {
+        config.validate()?;
+        let (d, i, w, k) = (
+            config.hidden,
+            config.intermediate,
+            config.gate_up_width(),
+            config.top_k,
+        );
+        let ep = ExpertParallel::new(
+            runtime,
+            stream,
+            EpConfig::new(config.experts, k, d, max_tokens),
+        )?;
+        let (local, rows) = (ep.placement().per_rank(), ep.recv_rows_capacity());
+        if rows > i32::MAX as usize {
+            return Err(EpError::Config(format!(
+                "{rows} receive rows exceed the kernels' int32 row index"
+            )));
+        }
+        let gemm = GroupedGemm::new(stream.context())?;
+        let gate_up = gemm.plan(&GroupedDesc::forward(local, rows, w, d, BLayout::Nk))?;
+        let down = gemm.plan(&GroupedDesc::forward(local, rows, d, i, BLayout::Nk))?;
+        let ws = gate_up
+            .workspace_bytes()
+            .max(down.workspace_bytes())
+            .max(256);
+        let slots = max_tokens * k;
+        Ok(EpMoeLayer {
+            cfg: config,
+            max_tokens,
+            stream: stream.clone(),
+            gemm_ws: stream.alloc_zeros(ws)?,
+            act: ActivationDesc::from_config(&config),
+            ids: stream.alloc_zeros(slots.max(1))?,
+            weights: stream.alloc_zeros(slots.max(1))?,
+            h_pre: stream.alloc_zeros(rows * w)?,
+            h: stream.alloc_zeros(rows * i)?,
+            y_e: stream.alloc_zeros(rows * d)?,
+            ep,
+            gemm,
+            gate_up,
+            down,
+        })
+    }
+
+    /// Experts this rank holds (`E / ranks`).
+    pub fn local_experts(&self) -> usize {
+        self.ep.placement().per_rank()
+    }
+
+    /// The first global expert id this rank holds.
+    pub fn first_expert(&self) -> usize {
+        self.ep.rank() * self.local_experts()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// Rows the local expert MLP can receive in one call (the exchange's worst case).
+    pub fn recv_rows_capacity(&self) -> usize {
+        self.ep.recv_rows_capacity()
+    }
+
+    /// `y [T, D] = MoE(x [T, D])` for this rank's `tokens` tokens (bf16, 16-byte aligned),
+    /// with this rank's experts' `weights`, on the layer's stream. Collective. Every
+    /// host-knowable check runs before any launch; a failure on one rank inside the
+    /// exchange reaches the others as [`moefuse_comm::CommError::PeerAborted`] (no hang).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: &mut moefuse_ep::EpMoeLayer, w: &moefuse_ep::LocalWeights<'_>,
+    /// #         x: &cudarc::driver::CudaSlice<half::bf16>, logits: &cudarc::driver::CudaSlice<f32>,
+    /// #         y: &mut cudarc::driver::CudaSlice<half::bf16>) -> Result<(), moefuse_ep::EpError> {
+    /// layer.forward(w, x, 128, moefuse_ep::EpRouting::Logits(logits), y)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn forward<X, Y>(
+        &mut self,
+        weights: &LocalWeights<'_>,
+        x: &X,
+        tokens: usize,
+        routing: EpRouting<'_>,
+        y: &mut Y,
+    ) -> Result<(), EpError>
+    where
+        X: DevicePtr<bf16>,
+        Y: DevicePtrMut<bf16>,
+    {
+        self.check(weights, x, tokens, &routing, &*y)?;
+        let (cfg, s) = (self.cfg, &self.stream);
+        let (ids, wts): (&CudaSlice<i32>, &CudaSlice<f32>) = match routing {
+            EpRouting::Logits(logits) => {
+                route(
+                    &cfg,
+                    s,
+                    tokens,
+                    logits,
+                    None,
+                    &mut self.ids,
+                    &mut self.weights,
+                )?;
+                (&self.ids, &self.weights)
+            }
+            EpRouting::External {
+                topk_ids,
+                topk_weights,
+            } => (topk_ids, topk_weights),
+        };
+        let (recv, last) = (self.ep.recv_rows_capacity(), self.local_experts() - 1);
+        let d = self.ep.dispatch(x, ids, wts, tokens)?;
+        let offsets = d.offsets();
+        // Each stage below reads the received-row count on the device (the last offset).
+        self.gemm.run(
+            &self.gate_up,
+            s,
+            offsets,
+            d.x(),
+            &weights.gate_up,
+            &mut self.h_pre,
+            &mut self.gemm_ws,
+        )?;
+        let last = offsets.slice(last..);
+        activation_forward(
+            &self.act,
+            s,
+            Rows::from_device(&last, recv),
+            &self.h_pre,
+            &mut self.h,
+        )?;
+        self.gemm.run(
+            &self.down,
+            s,
+            offsets,
+            &self.h,
+            &weights.down,
+            &mut self.y_e,
+            &mut self.gemm_ws,
+        )?;
+        d.combine(&self.y_e, y)?;
+        Ok(())
+    }
+
+    /// Every host-knowable check of a forward.
+    fn check(
+        &self,
+        weights: &LocalWeights<'_>,
+        x: &dyn DevicePtr<bf16>,
+        tokens: usize,
+        routing: &EpRouting<'_>,
+        y: &dyn DevicePtrMut<bf16>,
+    ) -> Result<(), EpError> {
+        let c = &self.cfg;
+        let (local, d, i, w, k) = (
+            self.local_experts(),
+            c.hidden,
+            c.intermediate,
+            c.gate_up_width(),
+            c.top_k,
+        );
+        if tokens > self.max_tokens {
+            return Err(EpError::TooManyTokens {
+                tokens,
+                max: self.max_tokens,
+            });
+        }
+        let need = |what: &'static str, got: usize, needed: usize| {
+            if got < needed {
+                Err(EpError::Shape { what, needed, got })
+            } else {
+                Ok(())
+            }
+        };
+        need("gate_up [E/N, W, D]", weights.gate_up.len(), local * w * d)?;
+        need("down [E/N, D, I]", weights.down.len(), local * d * i)?;
+        need("x [T, D]", x.len(), tokens * d)?;
+        need("y [T, D]", y.len(), tokens * d)?;
+        match routing {
+            EpRouting::Logits(l) => need("logits [T, E]", l.len(), tokens * c.experts)?,
+            EpRouting::External {
+                topk_ids,
+                topk_weights,
+            } => {
+                need("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
+                need("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
+            }
+        }
+        Ok(())
+    }
+}

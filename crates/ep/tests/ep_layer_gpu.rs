@@ -1,0 +1,217 @@
+//! GPU tests of the expert-parallel layer's forward against the CPU reference of the whole
+//! (single-GPU) layer: at 1 PE in this process, and at 2 and 4 PEs on one GPU through the
+//! launcher (this binary relaunched once per rank). Every rank builds the same global
+//! problem from one seed (tokens of every rank, all experts' weights), runs its own tokens
+//! with its own experts' weights, and compares its output rows with the reference's rows of
+//! the same tokens. Ragged token counts per rank, one rank that sends nothing, odd routing
+//! (every token of one rank on one owner's experts). Without a GPU every test prints SKIPPED.
+
+#![forbid(unsafe_code)]
+
+use cudarc::driver::{CudaContext, CudaStream};
+use half::bf16;
+use moefuse::model::MoeWeights;
+use moefuse::reference::{forward, RoutingInput};
+use moefuse::{MoeConfig, RouterKind};
+use moefuse_comm::{exchange_unique_id, LaunchEnv, Library, Runtime, UniqueId};
+use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
+use moefuse_testkit::{check_close, GpuSuite, Rng, POISON_BF16};
+use std::sync::Arc;
+
+fn e<E: std::fmt::Display>(x: E) -> String {
+    x.to_string()
+}
+
+/// The layer every test runs: 16 experts of D 256, I 128, top-4 (E divisible by 1, 2, 4).
+fn config() -> MoeConfig {
+    MoeConfig::new(256, 128, 16, 4).with_router(RouterKind::External)
+}
+
+/// Tokens of each rank in a world of `ranks` (rank 1 sends nothing when there are 2+).
+fn tokens_of(ranks: usize) -> Vec<usize> {
+    [37, 0, 64, 5]
+        .iter()
+        .copied()
+        .take(ranks)
+        .map(|t| if ranks == 1 { 53 } else { t })
+        .collect()
+}
+
+/// The global problem of one seed: bf16-exact weights and inputs (f32 copies for the
+/// reference), and each token's routing. Rank 2's tokens all pick the experts of rank 0.
+struct Problem {
+    weights: MoeWeights,
+    x: Vec<f32>,
+    ids: Vec<i32>,
+    topk_w: Vec<f32>,
+}
+
+fn problem(cfg: &MoeConfig, tokens: &[usize], seed: u64) -> Problem {
+    let mut rng = Rng::new(seed);
+    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let mut weights = MoeWeights::zeros(cfg, false);
+    for v in weights.gate_up.iter_mut() {
+        *v = round(0.2 * rng.uniform());
+    }
+    for v in weights.down.iter_mut() {
+        *v = round(0.2 * rng.uniform());
+    }
+    let total: usize = tokens.iter().sum();
+    let x = (0..total * cfg.hidden)
+        .map(|_| round(rng.uniform()))
+        .collect();
+    let (e, k) = (cfg.experts, cfg.top_k);
+    let (mut ids, mut topk_w) = (Vec::new(), Vec::new());
+    let per_rank = e / tokens.len();
+    for (r, &t) in tokens.iter().enumerate() {
+        for _ in 0..t {
+            let chosen = if r == 2 && per_rank >= k {
+                rng.distinct(per_rank, k) // rank 0's experts only
+            } else {
+                rng.distinct(e, k)
+            };
+            let raw: Vec<f32> = (0..k).map(|_| 0.1 + rng.uniform().abs()).collect();
+            let sum: f32 = raw.iter().sum();
+            ids.extend(chosen);
+            topk_w.extend(raw.iter().map(|w| w / sum));
+        }
+    }
+    Problem {
+        weights,
+        x,
+        ids,
+        topk_w,
+    }
+}
+
+/// This rank's forward against the reference's rows of its tokens.
+fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<f64, String> {
+    let cfg = config();
+    let (ranks, rank) = (rt.ranks(), rt.rank());
+    let tokens = tokens_of(ranks);
+    let p = problem(&cfg, &tokens, seed);
+    let (d, i, w, k) = (cfg.hidden, cfg.intermediate, cfg.gate_up_width(), cfg.top_k);
+    let total: usize = tokens.iter().sum();
+    let want = forward(
+        &cfg,
+        &p.weights,
+        &p.x,
+        RoutingInput::External {
+            topk_ids: &p.ids,
+            topk_weights: &p.topk_w,
+        },
+    )
+    .map_err(e)?;
+    let first: usize = tokens[..rank].iter().sum();
+    let t = tokens[rank];
+    let max_tokens = *tokens.iter().max().unwrap_or(&1);
+    let mut layer = EpMoeLayer::new(rt, stream, cfg, max_tokens.max(1)).map_err(e)?;
+    let (local, e0) = (layer.local_experts(), layer.first_expert());
+    let bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+    let gate_up = stream
+        .clone_htod(&bf(&p.weights.gate_up[e0 * w * d..(e0 + local) * w * d]))
+        .map_err(e)?;
+    let down = stream
+        .clone_htod(&bf(&p.weights.down[e0 * d * i..(e0 + local) * d * i]))
+        .map_err(e)?;
+    // Every buffer holds at least one row, so a rank with no tokens still has valid ones.
+    let rows = t.max(1);
+    let mut x_host = bf(&p.x[first * d..(first + t) * d]);
+    x_host.resize(rows * d, bf16::ZERO);
+    let x = stream.clone_htod(&x_host).map_err(e)?;
+    let mut ids_host = p.ids[first * k..(first + t) * k].to_vec();
+    ids_host.resize(rows * k, 0);
+    let mut wts_host = p.topk_w[first * k..(first + t) * k].to_vec();
+    wts_host.resize(rows * k, 0.0);
+    let ids = stream.clone_htod(&ids_host).map_err(e)?;
+    let wts = stream.clone_htod(&wts_host).map_err(e)?;
+    let mut y = stream.clone_htod(&vec![POISON_BF16; rows * d]).map_err(e)?;
+    let weights = LocalWeights {
+        gate_up: gate_up.as_view(),
+        down: down.as_view(),
+    };
+    let routing = || EpRouting::External {
+        topk_ids: &ids,
+        topk_weights: &wts,
+    };
+    let mut err = 0.0;
+    for call in 0..2 {
+        // Twice: the second call reuses every buffer (and the exchange's next epoch).
+        layer
+            .forward(&weights, &x, t, routing(), &mut y)
+            .map_err(|x| format!("rank {rank} call {call}: {x}"))?;
+        let got: Vec<f32> = stream.clone_dtoh(&y).map_err(e)?[..t * d]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        if t > 0 {
+            err = check_close(
+                &got,
+                &want.y[first * d..(first + t) * d],
+                2e-2,
+                &format!("rank {rank} of {ranks}, call {call}, seed {seed}: y"),
+            )?;
+        }
+    }
+    println!("rank {rank} of {ranks}: {t} tokens, experts {e0}..{}, rel err {err:.2e} (of {total} tokens)", e0 + local);
+    Ok(err)
+}
+
+fn one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let lib = Library::load(None).map_err(e)?;
+    let id = UniqueId::create(&lib).map_err(e)?;
+    let rt = Runtime::init(&lib, ctx, &id, 0, 1).map_err(e)?;
+    let stream = ctx.new_stream().map_err(e)?;
+    check_rank(&rt, &stream, Rng::fresh_seed()).map(|_| ())
+}
+
+/// N ranks of this binary on one GPU (time-sliced contexts).
+fn n_pes(n: usize) -> Result<(), String> {
+    let seed = Rng::fresh_seed();
+    let me = std::env::current_exe().map_err(e)?;
+    let mut spec = moefuse_comm::LaunchSpec::new(n, me, Vec::<String>::new());
+    spec.timeout = Some(moefuse_testkit::scaled_secs(120));
+    spec.env
+        .push(("MOEFUSE_TEST_SEED".into(), seed.to_string().into()));
+    let mut log = Vec::new();
+    let result = moefuse_comm::launch(&spec, |event| {
+        if let moefuse_comm::LaunchEvent::Output { rank, line, .. } = event {
+            println!("[rank {rank}] {line}");
+            log.push(format!("[rank {rank}] {line}"));
+        }
+    });
+    result.map_err(|x| format!("{n} PEs, seed {seed}: {x}\n{}", log.join("\n")))
+}
+
+/// A child of `n_pes`: join the job, run this rank's forward.
+fn rank_main() -> Result<(), String> {
+    let env = LaunchEnv::from_env().map_err(e)?.ok_or("not launched")?;
+    let seed: u64 = std::env::var("MOEFUSE_TEST_SEED")
+        .map_err(e)?
+        .parse()
+        .map_err(e)?;
+    let ctx = CudaContext::new(0).map_err(e)?;
+    let lib = Library::load(None).map_err(e)?;
+    let hex = exchange_unique_id(&env, || Ok(UniqueId::create(&lib)?.to_hex())).map_err(e)?;
+    let id = UniqueId::from_hex(&hex).map_err(e)?;
+    let rt = Runtime::init(&lib, &ctx, &id, env.rank, env.world_size).map_err(e)?;
+    let stream = ctx.new_stream().map_err(e)?;
+    check_rank(&rt, &stream, seed).map(|_| ())
+}
+
+fn main() {
+    if std::env::var_os("MOEFUSE_RANK").is_some() {
+        std::process::exit(match rank_main() {
+            Ok(()) => 0,
+            Err(msg) => {
+                eprintln!("{msg}");
+                1
+            }
+        });
+    }
+    GpuSuite::new()
+        .test("ep_layer_forward_one_pe", one_pe)
+        .test("ep_layer_forward_2_pes_one_gpu", |_| n_pes(2))
+        .test("ep_layer_forward_4_pes_one_gpu", |_| n_pes(4))
+        .run()
+}
