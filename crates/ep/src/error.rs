@@ -34,6 +34,9 @@ pub enum EpError {
     /// The layer's kernels (routing, activation) refused or failed.
     #[error(transparent)]
     Moe(#[from] moefuse::MoeError),
+    /// A kernel of the launch layer refused or failed.
+    #[error(transparent)]
+    Kernel(#[from] moefuse_kernels::KernelError),
     /// A grouped GEMM refused or failed.
     #[error(transparent)]
     Gemm(#[from] moefuse_grouped_gemm::GemmError),

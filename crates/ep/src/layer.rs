@@ -4,7 +4,7 @@
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse::gpu::{activation_forward, route, ActivationDesc, Rows};
+use moefuse::gpu::{activation_forward, route, ActivationDesc, Mode, Rows};
 use moefuse::MoeConfig;
 use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
@@ -60,6 +60,27 @@ pub struct EpMoeLayer {
     h_pre: CudaSlice<bf16>,
     h: CudaSlice<bf16>,
     y_e: CudaSlice<bf16>,
+    /// `Some` in Training: the backward's exchanges, plans, saved rows and scratch.
+    pub(crate) train: Option<crate::backward::Training>,
+    /// The last forward's token count, `Some` once a Training forward succeeded.
+    pub(crate) last: Option<Last>,
+}
+
+/// The layer's buffers a backward reads and writes at once.
+pub(crate) struct Parts<'a> {
+    pub(crate) train: &'a mut crate::backward::Training,
+    pub(crate) ids: &'a CudaSlice<i32>,
+    pub(crate) gemm_ws: &'a mut CudaSlice<u8>,
+    pub(crate) y_e: &'a CudaSlice<bf16>,
+    pub(crate) h: &'a CudaSlice<bf16>,
+    pub(crate) h_pre: &'a CudaSlice<bf16>,
+}
+
+/// What the backward needs to know of the last forward.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Last {
+    pub(crate) tokens: usize,
+    pub(crate) routed: bool,
 }
 
 impl EpMoeLayer {
@@ -82,6 +103,28 @@ impl EpMoeLayer {
         config: MoeConfig,
         max_tokens: usize,
     ) -> Result<Self, EpError> {
+        Self::with_mode(runtime, stream, config, max_tokens, Mode::Inference)
+    }
+
+    /// [`EpMoeLayer::new`] in `mode`: Training also builds the backward's two exchanges
+    /// (dy out and dx back; the `d_topk_weights` values back) and keeps the forward's
+    /// received rows. Collective.
+    ///
+    /// ```no_run
+    /// # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>,
+    /// #         stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<(), moefuse_ep::EpError> {
+    /// use moefuse::gpu::Mode;
+    /// let cfg = moefuse::MoeConfig::new(1024, 512, 16, 4);
+    /// let layer = moefuse_ep::EpMoeLayer::with_mode(rt, stream, cfg, 256, Mode::Training)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_mode(
+        runtime: &Arc<Runtime>,
+        stream: &Arc<CudaStream>,
+        config: MoeConfig,
+        max_tokens: usize,
+        mode: Mode,
+    ) -> Result<Self, EpError> {
         config.validate()?;
         let (d, i, w, k) = (
             config.hidden,
@@ -103,9 +146,18 @@ impl EpMoeLayer {
         let gemm = GroupedGemm::new(stream.context())?;
         let gate_up = gemm.plan(&GroupedDesc::forward(local, rows, w, d, BLayout::Nk))?;
         let down = gemm.plan(&GroupedDesc::forward(local, rows, d, i, BLayout::Nk))?;
-        let ws = gate_up
-            .workspace_bytes()
-            .max(down.workspace_bytes())
+        let train = match mode {
+            Mode::Inference => None,
+            Mode::Training => Some(crate::backward::Training::new(
+                runtime, stream, &gemm, &config, max_tokens, local, rows,
+            )?),
+        };
+        let ws = [&gate_up, &down]
+            .into_iter()
+            .chain(train.iter().flat_map(|t| t.plans()))
+            .map(|p| p.workspace_bytes())
+            .max()
+            .unwrap_or(0)
             .max(256);
         let slots = max_tokens * k;
         Ok(EpMoeLayer {
@@ -123,7 +175,36 @@ impl EpMoeLayer {
             gemm,
             gate_up,
             down,
+            train,
+            last: None,
         })
+    }
+
+    /// The stream every call runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Most tokens per call on this rank.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// The fields a backward uses at once (disjoint borrows), `None` in Inference.
+    pub(crate) fn backward_parts(&mut self) -> Option<(Parts<'_>, &GroupedGemm, &ActivationDesc)> {
+        let train = self.train.as_mut()?;
+        Some((
+            Parts {
+                train,
+                ids: &self.ids,
+                gemm_ws: &mut self.gemm_ws,
+                y_e: &self.y_e,
+                h: &self.h,
+                h_pre: &self.h_pre,
+            },
+            &self.gemm,
+            &self.act,
+        ))
     }
 
     /// Experts this rank holds (`E / ranks`).
@@ -170,8 +251,10 @@ impl EpMoeLayer {
         X: DevicePtr<bf16>,
         Y: DevicePtrMut<bf16>,
     {
+        self.last = None;
         self.check(weights, x, tokens, &routing, &*y)?;
-        let (cfg, s) = (self.cfg, &self.stream);
+        let (cfg, s, k) = (self.cfg, &self.stream, self.cfg.top_k);
+        let routed = matches!(routing, EpRouting::Logits(_));
         let (ids, wts): (&CudaSlice<i32>, &CudaSlice<f32>) = match routing {
             EpRouting::Logits(logits) => {
                 route(
@@ -183,6 +266,20 @@ impl EpMoeLayer {
                     &mut self.ids,
                     &mut self.weights,
                 )?;
+                if let Some(t) = &mut self.train {
+                    t.save_logits(s, logits, tokens * cfg.experts)?;
+                }
+                (&self.ids, &self.weights)
+            }
+            EpRouting::External {
+                topk_ids,
+                topk_weights,
+            } if self.train.is_some() => {
+                // Training: the backward re-sends by the same routing after the caller may
+                // have moved on, so it is copied.
+                let n = tokens * k;
+                s.memcpy_dtod(&topk_ids.slice(..n), &mut self.ids.slice_mut(..n))?;
+                s.memcpy_dtod(&topk_weights.slice(..n), &mut self.weights.slice_mut(..n))?;
                 (&self.ids, &self.weights)
             }
             EpRouting::External {
@@ -203,11 +300,11 @@ impl EpMoeLayer {
             &mut self.h_pre,
             &mut self.gemm_ws,
         )?;
-        let last = offsets.slice(last..);
+        let last_offset = offsets.slice(last..);
         activation_forward(
             &self.act,
             s,
-            Rows::from_device(&last, recv),
+            Rows::from_device(&last_offset, recv),
             &self.h_pre,
             &mut self.h,
         )?;
@@ -220,7 +317,13 @@ impl EpMoeLayer {
             &mut self.y_e,
             &mut self.gemm_ws,
         )?;
+        if let Some(t) = &mut self.train {
+            t.save_received(s, &d)?;
+        }
         d.combine(&self.y_e, y)?;
+        if self.train.is_some() {
+            self.last = Some(Last { tokens, routed });
+        }
         Ok(())
     }
 

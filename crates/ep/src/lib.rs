@@ -7,8 +7,13 @@
 //!
 //! This is the layer as separate kernels on one stream: communication and the GEMMs do not
 //! overlap yet. It fixes the API (plan once, run many; the caller's weights borrowed) and
-//! the numbers the fused, persistent version (issue 13) must beat. Forward only for now;
-//! the backward is the next step (docs/design-moe-next.md).
+//! the numbers the fused, persistent version (issue 13) must beat. A Training layer
+//! ([`EpMoeLayer::with_mode`]) also runs the backward: dy goes out by the same routing (a
+//! second exchange, unweighted), the local experts' dgrad/wgrad run on the received rows,
+//! dx comes back summed per token, and each slot's `d_topk_weights = ⟨dy, y_e⟩`, computed
+//! where `y_e` lives, comes back through a third, 8- or 16-column exchange (slot j's value
+//! in column j of its row, zeros elsewhere, so the per-token sum keeps each slot's value;
+//! bf16 in transit).
 //!
 //! At one rank, the single-GPU [`moefuse::gpu::MoeLayer`] is the same layer without
 //! NVSHMEM; this crate is for `ranks >= 2` (it works at one rank too, through the
@@ -33,8 +38,10 @@
 
 #![forbid(unsafe_code)]
 
+mod backward;
 mod error;
 mod layer;
 
+pub use backward::EpGradients;
 pub use error::EpError;
 pub use layer::{EpMoeLayer, EpRouting, LocalWeights};

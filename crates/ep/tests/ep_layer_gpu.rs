@@ -1,5 +1,6 @@
-//! GPU tests of the expert-parallel layer's forward against the CPU reference of the whole
-//! (single-GPU) layer: at 1 PE in this process, and at 2 and 4 PEs on one GPU through the
+//! GPU tests of the expert-parallel layer's forward and backward (dx, d_topk_weights and the
+//! local experts' weight gradients) against the CPU reference of the whole (single-GPU)
+//! layer: at 1 PE in this process, and at 2 and 4 PEs on one GPU through the
 //! launcher (this binary relaunched once per rank). Every rank builds the same global
 //! problem from one seed (tokens of every rank, all experts' weights), runs its own tokens
 //! with its own experts' weights, and compares its output rows with the reference's rows of
@@ -10,8 +11,9 @@
 
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
+use moefuse::gpu::Mode;
 use moefuse::model::MoeWeights;
-use moefuse::reference::{forward, RoutingInput};
+use moefuse::reference::{backward, forward, RoutingInput};
 use moefuse::{MoeConfig, RouterKind};
 use moefuse_comm::{exchange_unique_id, LaunchEnv, Library, Runtime, UniqueId};
 use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
@@ -105,7 +107,8 @@ fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<
     let first: usize = tokens[..rank].iter().sum();
     let t = tokens[rank];
     let max_tokens = *tokens.iter().max().unwrap_or(&1);
-    let mut layer = EpMoeLayer::new(rt, stream, cfg, max_tokens.max(1)).map_err(e)?;
+    let mut layer =
+        EpMoeLayer::with_mode(rt, stream, cfg, max_tokens.max(1), Mode::Training).map_err(e)?;
     let (local, e0) = (layer.local_experts(), layer.first_expert());
     let bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
     let gate_up = stream
@@ -134,6 +137,17 @@ fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<
         topk_ids: &ids,
         topk_weights: &wts,
     };
+    // dy of every token (the same seed on every rank), the reference's gradients of all.
+    let mut rng = Rng::new(seed ^ 0xd1);
+    let dy_all: Vec<f32> = (0..total * d)
+        .map(|_| bf16::from_f32(rng.uniform()).to_f32())
+        .collect();
+    let grads = backward(&cfg, &p.weights, &p.x, &want, &dy_all).map_err(e)?;
+    let mut dy_host = bf(&dy_all[first * d..(first + t) * d]);
+    dy_host.resize(rows * d, bf16::ZERO);
+    let dy = stream.clone_htod(&dy_host).map_err(e)?;
+    let mut dx = stream.clone_htod(&vec![POISON_BF16; rows * d]).map_err(e)?;
+    let mut g = layer.gradients().map_err(e)?;
     let mut err = 0.0;
     for call in 0..2 {
         // Twice: the second call reuses every buffer (and the exchange's next epoch).
@@ -153,7 +167,33 @@ fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<
             )?;
         }
     }
-    println!("rank {rank} of {ranks}: {t} tokens, experts {e0}..{}, rel err {err:.2e} (of {total} tokens)", e0 + local);
+    layer
+        .backward(&weights, &dy, &mut dx, &mut g, false)
+        .map_err(|x| format!("rank {rank} backward: {x}"))?;
+    let what = |n: &str| format!("rank {rank} of {ranks}, seed {seed}: {n}");
+    let f32s = |v: Vec<bf16>| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+    if t > 0 {
+        let got = f32s(stream.clone_dtoh(&dx).map_err(e)?);
+        check_close(
+            &got[..t * d],
+            &grads.dx[first * d..(first + t) * d],
+            2e-2,
+            &what("dx"),
+        )?;
+        let got = stream.clone_dtoh(&g.d_topk_weights).map_err(e)?;
+        let want_dw = &grads.d_topk_weights[first * k..(first + t) * k];
+        check_close(&got[..t * k], want_dw, 2e-2, &what("d_topk_weights"))?;
+    }
+    let got = f32s(stream.clone_dtoh(&g.d_gate_up).map_err(e)?);
+    let want_gu = &grads.d_gate_up[e0 * w * d..(e0 + local) * w * d];
+    check_close(&got, want_gu, 2e-2, &what("d_gate_up"))?;
+    let got = f32s(stream.clone_dtoh(&g.d_down).map_err(e)?);
+    let want_dn = &grads.d_down[e0 * d * i..(e0 + local) * d * i];
+    check_close(&got, want_dn, 2e-2, &what("d_down"))?;
+    println!(
+        "rank {rank} of {ranks}: {t} tokens, experts {e0}..{}, y rel err {err:.2e}, backward ok (of {total} tokens)",
+        e0 + local
+    );
     Ok(err)
 }
 
@@ -210,8 +250,8 @@ fn main() {
         });
     }
     GpuSuite::new()
-        .test("ep_layer_forward_one_pe", one_pe)
-        .test("ep_layer_forward_2_pes_one_gpu", |_| n_pes(2))
-        .test("ep_layer_forward_4_pes_one_gpu", |_| n_pes(4))
+        .test("ep_layer_one_pe", one_pe)
+        .test("ep_layer_2_pes_one_gpu", |_| n_pes(2))
+        .test("ep_layer_4_pes_one_gpu", |_| n_pes(4))
         .run()
 }

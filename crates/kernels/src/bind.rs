@@ -241,6 +241,8 @@ pub(crate) enum Call {
     ActivationBackward(ffi::MoefuseActivationArgs),
     Permute(ffi::MoefusePermuteArgs),
     GateUpFused(ffi::MoefuseGateUpArgs),
+    ScatterColumns(ffi::MoefuseScatterColumnsArgs),
+    ColumnsToF32(ffi::MoefuseColumnsToF32Args),
     Combine(ffi::MoefuseCombineArgs),
     CombineBackward(ffi::MoefuseCombineBwdArgs),
 }
@@ -290,6 +292,10 @@ impl Call {
                 Call::Permute(a) => ffi::moefuse_moe_permute(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::GateUpFused(a) => ffi::moefuse_moe_gate_up_fused(a, stream),
+                #[cfg(moefuse_moe_linked)]
+                Call::ScatterColumns(a) => ffi::moefuse_moe_scatter_columns(a, stream),
+                #[cfg(moefuse_moe_linked)]
+                Call::ColumnsToF32(a) => ffi::moefuse_moe_columns_to_f32(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::Combine(a) => ffi::moefuse_moe_combine(a, stream),
                 #[cfg(moefuse_moe_linked)]

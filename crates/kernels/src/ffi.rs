@@ -360,6 +360,48 @@ pub struct MoefuseGateUpArgs {
     pub errors: *mut u32,
 }
 
+/// `moefuse_scatter_columns_args` (moe_abi.h): one value per row into a zeroed bf16 row.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseScatterColumnsArgs {
+    /// Rows of `out`.
+    pub rows: i32,
+    /// Columns of `out`.
+    pub width: i32,
+    /// Elements between consecutive rows' column indices in `col_of`.
+    pub col_stride: i32,
+    /// 0.
+    pub reserved: i32,
+    /// `[1]` live rows, or null.
+    pub count: *const i32,
+    /// `[rows * col_stride]` column of each row.
+    pub col_of: *const i32,
+    /// `[rows]` fp32.
+    pub values: *const f32,
+    /// `[rows, width]` bf16.
+    pub out: *mut c_void,
+    /// `[1]` error bits, or null.
+    pub errors: *mut u32,
+}
+
+/// `moefuse_columns_to_f32_args` (moe_abi.h): the first `cols` columns of bf16 rows as fp32.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseColumnsToF32Args {
+    /// Rows.
+    pub rows: i32,
+    /// Columns of `in`.
+    pub width: i32,
+    /// Columns read and written.
+    pub cols: i32,
+    /// 0.
+    pub reserved: i32,
+    /// `[rows, width]` bf16.
+    pub input: *const c_void,
+    /// `[rows, cols]` fp32.
+    pub out: *mut f32,
+}
+
 /// A MoE launcher (`moefuse_moe_<op>(args, stream)`), generic over its argument struct.
 pub type MoeLaunchFn<A> = unsafe extern "C" fn(*const A, *mut c_void) -> MoefuseStatus;
 
@@ -383,6 +425,16 @@ extern "C" {
     /// `moefuse_moe_activation_bwd(args, stream)`
     pub fn moefuse_moe_activation_bwd(
         args: *const MoefuseActivationArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_scatter_columns(args, stream)`
+    pub fn moefuse_moe_scatter_columns(
+        args: *const MoefuseScatterColumnsArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
+    /// `moefuse_moe_columns_to_f32(args, stream)`
+    pub fn moefuse_moe_columns_to_f32(
+        args: *const MoefuseColumnsToF32Args,
         stream: *mut c_void,
     ) -> MoefuseStatus;
     /// `moefuse_moe_gate_up_fused(args, stream)`
@@ -452,6 +504,11 @@ mod tests {
         assert_eq!(offset_of!(MoefuseRouterArgs, bias), 40);
         assert_eq!(offset_of!(MoefuseRouterArgs, topk_ids), 48);
         assert_eq!(offset_of!(MoefuseRouterArgs, topk_weights), 56);
+        assert_eq!(size_of::<MoefuseScatterColumnsArgs>(), 56);
+        assert_eq!(offset_of!(MoefuseScatterColumnsArgs, count), 16);
+        assert_eq!(offset_of!(MoefuseScatterColumnsArgs, errors), 48);
+        assert_eq!(size_of::<MoefuseColumnsToF32Args>(), 32);
+        assert_eq!(offset_of!(MoefuseColumnsToF32Args, input), 16);
         assert_eq!(size_of::<MoefuseGateUpArgs>(), 96);
         assert_eq!(offset_of!(MoefuseGateUpArgs, alpha), 32);
         assert_eq!(offset_of!(MoefuseGateUpArgs, offsets), 40);

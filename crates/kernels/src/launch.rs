@@ -29,8 +29,8 @@
 
 use crate::bind::Binder;
 use crate::moe_ops::{
-    Activation, CombineBackward, CombineForward, GateUpFused, Permute, RouterBackward,
-    RouterForward,
+    Activation, ColumnsToF32, CombineBackward, CombineForward, GateUpFused, Permute,
+    RouterBackward, RouterForward, ScatterColumns,
 };
 use crate::ops::{Gemm, GroupedGemm};
 use crate::{KernelError, Kernels};
@@ -64,6 +64,10 @@ pub enum Launch<'a> {
     Permute(Permute<'a>),
     /// `moefuse_moe_gate_up_fused`.
     GateUpFused(GateUpFused<'a>),
+    /// `moefuse_moe_scatter_columns`.
+    ScatterColumns(ScatterColumns<'a>),
+    /// `moefuse_moe_columns_to_f32`.
+    ColumnsToF32(ColumnsToF32<'a>),
     /// `moefuse_moe_combine`.
     Combine(CombineForward<'a>),
     /// `moefuse_moe_combine_bwd`.
@@ -87,6 +91,8 @@ launch_from!(
     Activation(Activation),
     Permute(Permute),
     GateUpFused(GateUpFused),
+    ScatterColumns(ScatterColumns),
+    ColumnsToF32(ColumnsToF32),
     Combine(CombineForward),
     CombineBackward(CombineBackward)
 );
@@ -103,6 +109,8 @@ impl Launch<'_> {
             Launch::Activation(_) => "moefuse_moe_activation_fwd".into(),
             Launch::Permute(_) => "moefuse_moe_permute".into(),
             Launch::GateUpFused(_) => "moefuse_moe_gate_up_fused".into(),
+            Launch::ScatterColumns(_) => "moefuse_moe_scatter_columns".into(),
+            Launch::ColumnsToF32(_) => "moefuse_moe_columns_to_f32".into(),
             Launch::Combine(_) => "moefuse_moe_combine".into(),
             Launch::CombineBackward(_) => "moefuse_moe_combine_bwd".into(),
         }
@@ -146,6 +154,8 @@ impl Kernels {
             Launch::Activation(a) => a.bind(&mut binder)?,
             Launch::Permute(p) => p.bind(&mut binder)?,
             Launch::GateUpFused(g) => g.bind(&mut binder)?,
+            Launch::ScatterColumns(c) => c.bind(&mut binder)?,
+            Launch::ColumnsToF32(c) => c.bind(&mut binder)?,
             Launch::Combine(c) => c.bind(&mut binder)?,
             Launch::CombineBackward(c) => c.bind(&mut binder)?,
         };

@@ -43,8 +43,8 @@ pub use error::{KernelError, Status};
 pub use handle::{arch_of, Kernels};
 pub use launch::Launch;
 pub use moe_ops::{
-    Activation, ActivationKind, CombineBackward, CombineForward, GateUpFused, GateUpLayout,
-    Permute, RouterBackward, RouterForward, RouterScoring,
+    Activation, ActivationKind, ColumnsToF32, CombineBackward, CombineForward, GateUpFused,
+    GateUpLayout, Permute, RouterBackward, RouterForward, RouterScoring, ScatterColumns,
 };
 /// The facts shared with the build scripts, xtask and the C side (`moefuse-spec`): arch
 /// table, variant table, limits, grouped kinds, tile-order fields. Re-exported so a crate
@@ -216,10 +216,8 @@ mod tests {
         for v in VARIANTS {
             let ok = match v.schedule {
                 Schedule::Cooperative | Schedule::Pingpong => v.arch == VariantArch::Sm90a,
-                Schedule::Contiguous => {
-                    v.arch == VariantArch::Sm90a
-                        && matches!(v.op, Op::GroupedFwdBnk | Op::GroupedFwdBkn)
-                }
+                // moefuse's own sm90 kernels: M-grouped (fwd/dgrad) and K-grouped (wgrad).
+                Schedule::Contiguous => v.arch == VariantArch::Sm90a && v.op.is_grouped(),
                 Schedule::OneSm | Schedule::TwoSm => v.arch == VariantArch::Sm100a,
             };
             assert!(ok, "{} pairs a schedule with the wrong arch", v.name());

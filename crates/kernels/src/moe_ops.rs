@@ -9,8 +9,10 @@ use half::bf16;
 
 use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
 
+mod columns;
 mod gate_up;
 mod permute;
+pub use columns::{ColumnsToF32, ScatterColumns};
 pub use gate_up::GateUpFused;
 pub use permute::{CombineBackward, CombineForward, Permute};
 

@@ -151,6 +151,39 @@ typedef struct moefuse_gate_up_args {
 
 moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* args, void* stream);
 
+/*
+ * Row kernels for carrying one fp32 value per routed (token, slot) through an exchange
+ * that sums rows (moe/rows.cu):
+ * scatter_columns: for r < min(*count, rows) (all rows when count is NULL):
+ *   out[r, :] = 0 and out[r, col_of[r * col_stride]] = values[r] (bf16 [rows, width]); a
+ *   column outside 0..width-1 leaves the row zero and raises MOEFUSE_MOE_ERROR_ROW.
+ * columns_to_f32: out[r, j] = in[r, j] for r < rows, j < cols (in bf16 [rows, width],
+ *   out fp32 [rows, cols], cols <= width).
+ */
+typedef struct moefuse_scatter_columns_args {
+  int32_t rows;
+  int32_t width;
+  int32_t col_stride;
+  int32_t reserved;          /* 0 */
+  const int32_t* count;      /* [1] live rows, or NULL */
+  const int32_t* col_of;     /* [rows * col_stride] */
+  const float* values;       /* [rows] */
+  uint16_t* out;             /* [rows, width] bf16 */
+  uint32_t* errors;          /* [1], or NULL */
+} moefuse_scatter_columns_args;
+
+typedef struct moefuse_columns_to_f32_args {
+  int32_t rows;
+  int32_t width;
+  int32_t cols;
+  int32_t reserved;          /* 0 */
+  const uint16_t* in;        /* [rows, width] bf16 */
+  float* out;                /* [rows, cols] */
+} moefuse_columns_to_f32_args;
+
+moefuse_status moefuse_moe_scatter_columns(const moefuse_scatter_columns_args* args, void* stream);
+moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* args, void* stream);
+
 moefuse_status moefuse_moe_permute(const moefuse_permute_args* args, void* stream);
 moefuse_status moefuse_moe_combine(const moefuse_combine_args* args, void* stream);
 moefuse_status moefuse_moe_combine_bwd(const moefuse_combine_bwd_args* args, void* stream);
