@@ -8,6 +8,7 @@
 //!   dx parts); each slot's s comes back through a combine of rows that carry s in the
 //!   column of their slot and zeros elsewhere, which leaves every slot's value unmixed;
 //!   weight gradients stay with the experts' owner.
+//!
 //! Ragged token counts, a rank that sends nothing, 1, 2 and 4 ranks.
 
 use moefuse::model::MoeWeights;
