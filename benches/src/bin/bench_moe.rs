@@ -319,6 +319,36 @@ fn bench_case(
         Ok::<_, Error>(us)
     };
     let infer_us = time_forward(infer, work, &mut y)?;
+    // The Inference forward captured once as a CUDA graph and replayed (what a decode loop
+    // runs): it reads the captured x (no rotation; the weights dominate at decode sizes)
+    // and the device routing in place.
+    let graph_us = {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let captured = infer.forward(wv, &xs[0], t, ext(), &mut y, work);
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+        captured?;
+        let graph = graph.ok_or("bench_moe: the capture made no graph")?;
+        let mut us = Vec::new();
+        for s in 0..(3 + args.samples) {
+            let (a, b) = (ctx.new_event(timing)?, ctx.new_event(timing)?);
+            a.record(stream)?;
+            graph.launch()?;
+            b.record(stream)?;
+            b.synchronize()?;
+            if s >= 3 {
+                us.push(a.elapsed_ms(&b)? as f64 * 1e3);
+            }
+        }
+        let replayed = bits(stream.clone_dtoh(&y)?);
+        infer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
+        if bits(stream.clone_dtoh(&y)?) != replayed {
+            return Err(
+                format!("{model} t{t}: the replayed graph differs from an eager forward").into(),
+            );
+        }
+        us
+    };
     let fused_us = if moefuse::gpu::gate_up_fused_supported(stream)? {
         layer.set_fused_gate_up(true)?;
         layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -392,6 +422,7 @@ fn bench_case(
         rec("bwd", b_us, 2.0 * fwd_flops),
         rec("fwdbwd", fb_us, 3.0 * fwd_flops),
         rec("fwd-infer", infer_us, fwd_flops),
+        rec("fwd-infer-graph", graph_us, fwd_flops),
     ];
     if let Some((us, fused_err)) = fused_us {
         let mut r = rec_as("moefuse_fused_gate_up", "fwd", us, fwd_flops);
