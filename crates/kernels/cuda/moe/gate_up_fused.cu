@@ -2,9 +2,6 @@
 // tensor maps (x gathered row by row, W_e in 128-row boxes) and the persistent launch of
 // kernel/sm90_gate_up_fused.cuh. A fat object like the other MoE kernels: its sm_90a image
 // carries the kernel, any other image a trap the capability check keeps from running.
-#include <cstdlib>
-#include <cstring>
-
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "moefuse/common/stride.hpp"
 #include "moefuse/common/tensor_map.hpp"
@@ -124,10 +121,6 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Kernel::Params& p) {
   p.band = band > 0 ? band : kDefaultBand;
   p.n_fast = (a.tile_order & 3) == 1 ? 0 : 1;
   p.interleave = (a.tile_order >> 24) & 1;
-  // Tuning: MOEFUSE_GATE_UP_SIGNAL=warp makes each producer warp signal a stage once (see
-  // kernel/sm90_gate_up_fused.cuh); the default is one cp.async arrival per thread.
-  const char* signal = std::getenv("MOEFUSE_GATE_UP_SIGNAL");
-  p.warp_signal = signal != nullptr && std::strcmp(signal, "warp") == 0;
   return MOEFUSE_STATUS_OK;
 }
 

@@ -26,6 +26,8 @@
 // 128-byte swizzle applied by hand: chunk c of row r at chunk c ^ (r % 8)), each thread's
 // completion arriving on the stage's full barrier (cp.async.mbarrier.arrive.noinc), W_e's boxes still by TMA on the same barrier:
 // 129 arrivals (thread 0's expect-tx and the 128 copies) and W's bytes complete a stage.
+// One arrival per warp after cp.async.wait_group (5 per stage) measured no faster (1673 vs
+// 1624 us), so the per-thread arrivals stay.
 // NOTES (the tile's columns): the B stage holds 256 rows of W_e as two 128-row boxes. Split
 // layout: gate rows j0..j0+127 then up rows I+j0..; interleaved: W rows 2*j0..2*j0+255;
 // RELU2 (no up half): W rows j0'..j0'+255. A thread's accumulator holds column c and c+128
@@ -102,7 +104,6 @@ struct Sm90GateUpFused {
     int band;
     int n_fast;
     int interleave;
-    int warp_signal;  // 1: each producer warp signals a stage once its copies landed (see load_tile)
   };
 
   enum class Role { Producer, Consumer };
@@ -165,7 +166,6 @@ struct Sm90GateUpFused {
     constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
     constexpr int kChunks = kTileK / 8;  // 16-byte chunks per row and k-block
     static_assert(kChunks == 8, "eight threads copy one 128-byte row segment");
-    PipelineState lagging = write;  // the oldest stage this warp has not signalled (warp_signal)
     for (int kb = 0; kb < k_tiles; ++kb) {
       pipeline.producer_acquire(write);  // every producer waits; thread 0 arrives (no bytes yet)
       uint64_t* barrier = pipeline.producer_get_barrier(write);
@@ -189,35 +189,9 @@ struct Sm90GateUpFused {
         SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[tok * row_chunks + (valid ? k_chunk : 0)],
                                                      a[r * kChunks + (c ^ (r & 7))], valid);
       }
-      if (p.warp_signal) {
-        // Per-warp signal (tuning, MOEFUSE_GATE_UP_SIGNAL=warp): the copies of stage kb
-        // are one cp.async group; once the group of stage kb - kLag + 1 has landed
-        // (wait_group), the warp makes it visible to the tensor cores' async proxy and
-        // lane 0 arrives once for the warp: 5 arrivals per stage instead of 129.
-        cp_async_fence();
-        cp_async_wait<kLag - 1>();
-        signal_stage(pipeline, lagging, kb >= kLag - 1, lane);
-      } else {
-        cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
-      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       ++write;
     }
-    if (p.warp_signal) {
-      cp_async_wait<0>();
-      for (int left = min(k_tiles, kLag - 1); left > 0; --left) signal_stage(pipeline, lagging, true, lane);
-    }
-  }
-
-  static constexpr int kLag = 3;  // stages a producer warp keeps in flight before signalling
-
-  // Makes this warp's landed copies visible to the async proxy, then lane 0 arrives on the
-  // full barrier of stage `lagging` (when `due`) and `lagging` moves on.
-  CUTE_DEVICE static void signal_stage(MainloopPipeline& pipeline, PipelineState& lagging, bool due, int lane) {
-    if (!due) return;
-    cutlass::arch::fence_view_async_shared();
-    __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(pipeline.producer_get_barrier(lagging));
-    ++lagging;
   }
 
   CUTE_DEVICE void operator()(Params const& p, char* smem) {
@@ -240,7 +214,7 @@ struct Sm90GateUpFused {
     pipe_params.num_consumers = kMmaThreads;
     // Full barriers: thread 0's arrive in producer_acquire plus one cp.async arrival per
     // producer thread; W's bytes are expected by thread 0 per stage (transaction_bytes 0).
-    pipe_params.num_producers = 1 + (p.warp_signal ? kProducerThreads / 32 : kProducerThreads);
+    pipe_params.num_producers = 1 + kProducerThreads;
     pipe_params.transaction_bytes = 0;
     MainloopPipeline pipeline(shared.pipeline, pipe_params, Shape<_1, _1, _1>{});
     __syncthreads();  // barriers and the group table visible to every role
