@@ -14,7 +14,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moefuse::gpu::{activation_backward, combine_backward, route_backward, DeviceErrors, Rows};
 use moefuse::MoeConfig;
-use moefuse_comm::{Dispatch, EpConfig, ExpertParallel, Runtime};
+use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
 use moefuse_kernels::{ColumnsToF32, Kernels, ScatterColumns};
 use std::sync::Arc;
@@ -42,10 +42,6 @@ pub(crate) struct Training {
     down_wgrad: [GroupedPlan; 2],
     gate_up_wgrad: [GroupedPlan; 2],
     logits: CudaSlice<f32>,
-    x_recv: CudaSlice<bf16>,
-    w_recv: CudaSlice<f32>,
-    offsets: CudaSlice<i32>,
-    origin: CudaSlice<i32>,
     identity: CudaSlice<i32>,
     ones: CudaSlice<f32>,
     s_zeros: CudaSlice<bf16>,
@@ -103,10 +99,6 @@ impl Training {
             down_wgrad: wgrad(d, i)?,
             gate_up_wgrad: wgrad(w, d)?,
             logits: z32(max_tokens * e)?,
-            x_recv: z16(rows * d)?,
-            w_recv: z32(rows)?,
-            offsets: stream.alloc_zeros(local)?,
-            origin: stream.alloc_zeros((rows * 3).max(1))?,
             identity: stream.clone_htod(&identity)?,
             ones: stream.clone_htod(&vec![1f32; slots.max(1)])?,
             s_zeros: z16(max_tokens * s_width)?,
@@ -138,20 +130,6 @@ impl Training {
         n: usize,
     ) -> Result<(), EpError> {
         s.memcpy_dtod(&logits.slice(..n), &mut self.logits.slice_mut(..n))?;
-        Ok(())
-    }
-
-    /// The forward's received rows, weights, offsets and origins: the exchange's buffers
-    /// are reused by the next dispatch.
-    pub(crate) fn save_received(
-        &mut self,
-        s: &Arc<CudaStream>,
-        d: &Dispatch<'_>,
-    ) -> Result<(), EpError> {
-        s.memcpy_dtod(d.x(), &mut self.x_recv)?;
-        s.memcpy_dtod(d.weights(), &mut self.w_recv)?;
-        s.memcpy_dtod(d.offsets(), &mut self.offsets)?;
-        s.memcpy_dtod(d.origin(), &mut self.origin)?;
         Ok(())
     }
 }
@@ -227,10 +205,14 @@ impl EpMoeLayer {
             EpError::Config("backward needs a layer built in Mode::Training".into())
         })?;
         let (tr, ids, gws) = (parts.train, parts.ids, parts.gemm_ws);
+        // The forward's received rows, weights, offsets and origins, still in its exchange's
+        // buffers (the backward's own exchanges leave them alone).
+        let (x_recv, w_recv) = (parts.ep.received_x(), parts.ep.received_weights());
+        let (offsets, origin) = (parts.ep.received_offsets(), parts.ep.received_origin());
         let kernels: &Kernels = gemm.kernels();
         let acc = usize::from(accumulate);
         let s = &stream;
-        let count = tr.offsets.slice(local - 1..);
+        let count = offsets.slice(local - 1..);
 
         // dy out by the forward's routing, unweighted (its combine is dx's plain sum).
         let dd = tr.dy_ep.dispatch(dy, ids, &tr.ones, t)?;
@@ -240,14 +222,14 @@ impl EpMoeLayer {
             1,
             d,
             &tr.identity,
-            &tr.w_recv,
+            w_recv,
             dd.x(),
             parts.y_e,
             &mut tr.dy_perm,
             &mut tr.s,
             &mut tr.errors,
         )?;
-        let off = &tr.offsets;
+        let off = offsets;
         gemm.run(
             &tr.down_dgrad,
             s,
@@ -284,14 +266,14 @@ impl EpMoeLayer {
             s,
             off,
             &tr.d_h_pre,
-            &tr.x_recv,
+            x_recv,
             d_gu,
             gws,
         )?;
         dd.combine(&tr.dx_perm, dx)?;
 
         // Each slot's ⟨dy, y_e⟩ back: slot j's value in column j of its row.
-        let origin_slot = tr.origin.slice(2..);
+        let origin_slot = origin.slice(2..);
         kernels.launch(
             s,
             ScatterColumns {

@@ -69,6 +69,7 @@ pub struct EpMoeLayer {
 /// The layer's buffers a backward reads and writes at once.
 pub(crate) struct Parts<'a> {
     pub(crate) train: &'a mut crate::backward::Training,
+    pub(crate) ep: &'a ExpertParallel,
     pub(crate) ids: &'a CudaSlice<i32>,
     pub(crate) gemm_ws: &'a mut CudaSlice<u8>,
     pub(crate) y_e: &'a CudaSlice<bf16>,
@@ -196,6 +197,7 @@ impl EpMoeLayer {
         Some((
             Parts {
                 train,
+                ep: &self.ep,
                 ids: &self.ids,
                 gemm_ws: &mut self.gemm_ws,
                 y_e: &self.y_e,
@@ -317,9 +319,6 @@ impl EpMoeLayer {
             &mut self.y_e,
             &mut self.gemm_ws,
         )?;
-        if let Some(t) = &mut self.train {
-            t.save_received(s, &d)?;
-        }
         d.combine(&self.y_e, y)?;
         if self.train.is_some() {
             self.last = Some(Last { tokens, routed });

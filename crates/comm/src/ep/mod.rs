@@ -263,6 +263,34 @@ impl ExpertParallel {
         &self.runtime
     }
 
+    /// The last dispatch's expert-major received rows, `[recv_rows_capacity, hidden]`
+    /// (what [`Dispatch::x`] gave), kept until the next dispatch on this instance: a layer's
+    /// backward reads them after the forward's combine without a copy.
+    ///
+    /// ```no_run
+    /// # fn demo(ep: &moefuse_comm::ExpertParallel) {
+    /// let rows = ep.received_x();
+    /// # }
+    /// ```
+    pub fn received_x(&self) -> &CudaSlice<bf16> {
+        &self.local.recv_x
+    }
+
+    /// The last dispatch's per-local-expert row ends ([`Dispatch::offsets`]), until the next.
+    pub fn received_offsets(&self) -> &CudaSlice<i32> {
+        &self.local.recv_offsets
+    }
+
+    /// The last dispatch's routing weight per received row ([`Dispatch::weights`]).
+    pub fn received_weights(&self) -> &CudaSlice<f32> {
+        &self.local.recv_w
+    }
+
+    /// The last dispatch's `(source rank, token, slot)` per received row ([`Dispatch::origin`]).
+    pub fn received_origin(&self) -> &CudaSlice<i32> {
+        &self.local.recv_origin
+    }
+
     /// Rows the expert-major receive buffer holds (the worst case: every token of every
     /// rank with all slots that can land here).
     pub fn recv_rows_capacity(&self) -> usize {
