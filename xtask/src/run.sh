@@ -98,7 +98,7 @@ run_sanitize() {
   # reports "terminated before first instrumented API call" and exits 255).
   for t in "$here"/tests/*${pat}*; do
     [ -x "$t" ] || continue
-    local name extra=() env_extra=(MOEFUSE_TEST_TIME_SCALE=${SANITIZE_TIME_SCALE:-10})
+    local name extra=() env_extra=(MOEFUSE_TEST_TIME_SCALE=${SANITIZE_TIME_SCALE:-10} MOEFUSE_UNDER_SANITIZER=1)
     name=$(basename "$t")
     case "$name" in *_gpu-test) ;; *) continue ;; esac
     case "$name" in ep_*) env_extra+=(NVSHMEM_DISABLE_NCCL=1) ;; esac
