@@ -139,4 +139,32 @@ mod tests {
             ([64, 128, 64], Schedule::Pingpong)
         );
     }
+
+    #[test]
+    fn wgrad_takes_the_contiguous_kernel() {
+        if !moefuse_kernels::built_archs().contains(&VariantArch::Sm90a.name()) {
+            println!(
+                "SKIPPED wgrad_takes_the_contiguous_kernel: sm90a not built (MOEFUSE_CUDA_ARCHS)"
+            );
+            return;
+        }
+        // Measured on the H200 (2026-12-03, bench_grouped --filter wgrad): Qwen3 gate_up
+        // wgrad 680.7 us against CUTLASS's ptr-array 2x1 kernel's 887-931 us in the layer.
+        let device = Device { sms: 132 };
+        for (groups, m, n, k) in [
+            (128, 512, 1536, 2048),
+            (128, 512, 2048, 768),
+            (32, 2048, 4096, 7168),
+        ] {
+            let p = Problem {
+                op: Op::GroupedWgrad,
+                groups,
+                m,
+                n,
+                k,
+            };
+            let v = choose(&Sm90, &p, device, None).unwrap();
+            assert_eq!(v.spec.schedule, Schedule::Contiguous, "{p:?}");
+        }
+    }
 }
