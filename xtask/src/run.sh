@@ -13,6 +13,8 @@
 #                      SANITIZE_TIMEOUT seconds per run, default 900; the tests' own
 #                      deadlines are stretched SANITIZE_TIME_SCALE times, default 10;
 #                      SANITIZE_ARGS go to each test binary, e.g. "--skip NAME")
+#   run.sh ncu R P A   Nsight Compute on the kernels matching regex R while program or test
+#                      P runs with arguments A (NCU_SKIP, NCU_COUNT), report under $OUT
 #   run.sh all         test, then bench
 #   run.sh NAME ARGS   one program from bin/ (e.g. gemm_demo 8192 8192 8192)
 set -u
@@ -130,9 +132,32 @@ run_sanitize() {
   [ "$dirty" = 0 ]
 }
 
+# Nsight Compute on one pack binary: `run.sh ncu KERNEL_REGEX PROGRAM [ARGS]` profiles the
+# first NCU_COUNT (default 2) launches of kernels whose name matches the regex (after
+# NCU_SKIP, default 1, warm-up launches) with the sections that say where a kernel's time
+# goes (speed of light, memory workload, warp-state stalls, scheduler, source counters),
+# writes $OUT/ncu.ncu-rep (open it in the Nsight Compute GUI) and prints the details page.
+# PROGRAM is a test binary (tests/NAME-test, with its own arguments, e.g. --exact TEST) or a
+# program of bin/.
+run_ncu() {
+  local regex="$1" prog="$2"; shift 2
+  local ncu bin
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  if [ -x "$here/tests/$prog-test" ]; then bin="$here/tests/$prog-test"; else bin="$here/bin/$prog"; fi
+  "$ncu" --kernel-name "regex:$regex" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-2}" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section SchedulerStats --section SourceCounters --section LaunchStats --section Occupancy \
+    --export "$out/ncu" --force-overwrite "$bin" "$@" > "$out/ncu.log" 2>&1
+  local rc=$?
+  "$ncu" --import "$out/ncu.ncu-rep" --page details 2>/dev/null | head -400
+  echo "ncu: exit $rc; log in \$OUT/ncu.log, report in \$OUT/ncu.ncu-rep"
+  return $rc
+}
+
 case "${1:-all}" in
   test) shift; run_tests "$@" ;;
   sanitize) shift; run_sanitize "$@" ;;
+  ncu) shift; run_ncu "$@" ;;
   bench) run_bench ;;
   torch) shift; run_torch "$@" ;;
   torch_ep) shift; PYTHONUNBUFFERED=1 python3 "$here/py/torch_dispatch_combine.py" --out "$out" "$@" ;;
