@@ -158,8 +158,7 @@ struct Sm90GateUpFused {
     const auto* x_chunks = reinterpret_cast<const Chunk*>(p.x);
     const int64_t row_chunks = p.hidden / 8;
     const int lane = t % 32, warp = t / 32, c = lane % 8;
-    int w_first = 0, w_second = 0;
-    w_rows(p, tile.n_block, w_first, w_second);
+    const int rows_left = tile.rows - warp * 32;  // this warp's tile rows inside the group
     auto* smem_a = reinterpret_cast<Chunk*>(shared.tensors.smem_A.data());
     auto* smem_b = shared.tensors.smem_B.data();
     constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
@@ -171,6 +170,8 @@ struct Sm90GateUpFused {
       uint64_t* barrier = pipeline.producer_get_barrier(write);
       const int stage = int(write.index());
       if (t == 0) {
+        int w_first = 0, w_second = 0;  // here, not hoisted: the producers run on 40 registers
+        w_rows(p, tile.n_block, w_first, w_second);
         cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesB);
         auto* b = smem_b + stage * kStageElementsB;
         SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
@@ -186,8 +187,11 @@ struct Sm90GateUpFused {
         const int sub = i * 4 + lane / 8;  // the row within the warp's 32
         const int r = warp * 32 + sub;
         const int64_t tok = __shfl_sync(0xffffffffu, token, sub);
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[tok * row_chunks + (valid ? k_chunk : 0)],
-                                                     a[r * kChunks + (c ^ (r & 7))], valid);
+        // Rows past the group's end in this tile are never stored: zero-filled, not read
+        // (at T = 1 the 120 tail rows of each tile all read one token's row: one hot line).
+        const bool live = valid && sub < rows_left;
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[tok * row_chunks + (live ? k_chunk : 0)],
+                                                     a[r * kChunks + (c ^ (r & 7))], live);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       ++write;
