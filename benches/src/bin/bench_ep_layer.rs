@@ -1,0 +1,224 @@
+//! The expert-parallel MoE layer (`moefuse-ep`, stream version) forward and backward,
+//! Qwen3-30B-A3B shapes, beside the single-GPU layer on the same inputs when run at one
+//! rank (what dispatch and combine cost over the permutation at EP = 1). CUDA events,
+//! warm-up, median [IQR], rotating inputs; the EP forward is checked against the single-GPU
+//! layer's output first (rel. err column). At `--ranks N` the program relaunches itself as N
+//! ranks (one GPU each where there are N GPUs, all on GPU 0 otherwise: correct, but the
+//! times are then time-sliced and mean nothing); rank 0 writes the JSON lines.
+//!
+//! `.device-pack/run.sh bench_ep_layer --out $OUT [--tokens 8192] [--ranks 1]`
+
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use half::bf16;
+use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
+use moefuse::{MoeConfig, RouterKind};
+use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
+use moefuse_comm::{
+    exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec, Library, Runtime, UniqueId,
+};
+use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
+use moefuse_testkit::{rel_err, Rng, Stats};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser, Clone)]
+struct Args {
+    /// Folder for the JSON lines.
+    #[arg(long, default_value = "benches/results")]
+    out: PathBuf,
+    /// Ranks to launch on this host (1: this process alone).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Tokens per rank.
+    #[arg(long, default_value_t = 8192)]
+    tokens: usize,
+    /// Timed samples per phase.
+    #[arg(long, default_value_t = 20)]
+    samples: usize,
+}
+
+fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    let launched = LaunchEnv::from_env()?;
+    if launched.is_none() && args.ranks > 1 {
+        let argv: Vec<String> = std::env::args().skip(1).collect();
+        let spec = LaunchSpec::new(args.ranks, std::env::current_exe()?, argv);
+        launch(&spec, |event| {
+            if let LaunchEvent::Output { rank, line, .. } = event {
+                println!("[rank {rank}] {line}");
+            }
+        })?;
+        return Ok(());
+    }
+    let Some(ctx) = open_gpu("bench_ep_layer") else {
+        return Ok(());
+    };
+    let lib = Library::load(None)?;
+    let rt = match &launched {
+        Some(env) => {
+            let hex = exchange_unique_id(env, || Ok(UniqueId::create(&lib)?.to_hex()))?;
+            let id = UniqueId::from_hex(&hex)?;
+            Runtime::init(&lib, &ctx, &id, env.rank, env.world_size)?
+        }
+        None => Runtime::init(&lib, &ctx, &UniqueId::create(&lib)?, 0, 1)?,
+    };
+    // One stream, the context's per-thread default: cudarc records no per-buffer events.
+    let stream = ctx.per_thread_stream();
+    let recs = bench(&ctx, &rt, &stream, &args)?;
+    if rt.rank() == 0 {
+        for r in &recs {
+            println!("{}", r.line());
+        }
+        append(&args.out, "moe_ep", &recs)?;
+    }
+    Ok(())
+}
+
+/// Events around `f`, `3 + samples` times; the first three are warm-up.
+fn time(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    samples: usize,
+    mut f: impl FnMut(usize) -> Result<(), Error>,
+) -> Result<Vec<f64>, Error> {
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut us = Vec::new();
+    for s in 0..(3 + samples) {
+        let (a, b) = (ctx.new_event(timing)?, ctx.new_event(timing)?);
+        a.record(stream)?;
+        f(s)?;
+        b.record(stream)?;
+        b.synchronize()?;
+        if s >= 3 {
+            us.push(a.elapsed_ms(&b)? as f64 * 1e3);
+        }
+    }
+    Ok(us)
+}
+
+fn bench(
+    ctx: &Arc<CudaContext>,
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    args: &Args,
+) -> Result<Vec<Record>, Error> {
+    let cfg = MoeConfig::new(2048, 768, 128, 8).with_router(RouterKind::External);
+    let (t, d, i, e, k, w) = (
+        args.tokens,
+        cfg.hidden,
+        cfg.intermediate,
+        cfg.experts,
+        cfg.top_k,
+        cfg.gate_up_width(),
+    );
+    let (rank, ranks) = (rt.rank(), rt.ranks());
+    let mut rng = Rng::new(0x6570 ^ rank as u64);
+    // Every rank draws all experts' weights from one seed and keeps its own.
+    let mut wrng = Rng::new(0x7765);
+    let scale = |v: Vec<bf16>, s: f32| {
+        v.into_iter()
+            .map(|x| bf16::from_f32(x.to_f32() * s))
+            .collect::<Vec<_>>()
+    };
+    let gate_up_h = scale(wrng.bf16_vec(e * w * d), 1.7 / (d as f32).sqrt());
+    let down_h = scale(wrng.bf16_vec(e * d * i), 1.7 / (i as f32).sqrt());
+    let mut layer = EpMoeLayer::with_mode(rt, stream, cfg, t, Mode::Training)?;
+    let (local, e0) = (layer.local_experts(), layer.first_expert());
+    let gate_up = stream.clone_htod(&gate_up_h[e0 * w * d..(e0 + local) * w * d])?;
+    let down = stream.clone_htod(&down_h[e0 * d * i..(e0 + local) * d * i])?;
+    let lw = LocalWeights {
+        gate_up: gate_up.as_view(),
+        down: down.as_view(),
+    };
+    let sets = rotation(ctx, t * d * 2 * 4);
+    let xs: Vec<CudaSlice<bf16>> = (0..sets)
+        .map(|_| stream.clone_htod(&rng.bf16_vec(t * d)))
+        .collect::<Result<_, _>>()?;
+    let (mut ids, mut wts) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
+    for _ in 0..t {
+        ids.extend(rng.distinct(e, k));
+        let raw: Vec<f32> = (0..k).map(|_| rng.uniform().exp()).collect();
+        let sum: f32 = raw.iter().sum();
+        wts.extend(raw.iter().map(|v| v / sum));
+    }
+    let (ids_d, wts_d) = (stream.clone_htod(&ids)?, stream.clone_htod(&wts)?);
+    let dy = stream.clone_htod(&rng.bf16_vec(t * d))?;
+    let (mut y, mut dx) = (
+        stream.alloc_zeros::<bf16>(t * d)?,
+        stream.alloc_zeros::<bf16>(t * d)?,
+    );
+    let mut grads = layer.gradients()?;
+    let ext = || EpRouting::External {
+        topk_ids: &ids_d,
+        topk_weights: &wts_d,
+    };
+
+    // At one rank: the single-GPU layer on the same inputs, its output the check.
+    let mut err = None;
+    let mut single = None;
+    if ranks == 1 {
+        let plan = MoePlan::new(cfg, t)?;
+        let mut ws = MoeWorkspace::new(stream, plan.workspace_bytes(Mode::Training))?;
+        let mut one = MoeLayer::new(stream, &plan, Mode::Training)?;
+        let weights = Weights::new(gate_up.as_view(), down.as_view());
+        let mut g1 = one.gradients()?;
+        let routing = || Routing::External {
+            topk_ids: &ids_d,
+            topk_weights: &wts_d,
+        };
+        one.forward(&weights, &xs[0], t, routing(), &mut y, &mut ws)?;
+        let want: Vec<f32> = stream.clone_dtoh(&y)?.iter().map(|v| v.to_f32()).collect();
+        layer.forward(&lw, &xs[0], t, ext(), &mut y)?;
+        let got: Vec<f32> = stream.clone_dtoh(&y)?.iter().map(|v| v.to_f32()).collect();
+        let e1 = rel_err(&got, &want);
+        if !moefuse_testkit::within(e1, 2e-2) {
+            return Err(
+                format!("EP forward differs from the single-GPU layer: rel err {e1}").into(),
+            );
+        }
+        err = Some(e1);
+        let f = time(ctx, stream, args.samples, |s| {
+            Ok(one.forward(&weights, &xs[s % sets], t, routing(), &mut y, &mut ws)?)
+        })?;
+        let b = time(ctx, stream, args.samples, |_| {
+            Ok(one.backward(&weights, &dy, &mut dx, &mut g1, false, &mut ws)?)
+        })?;
+        single = Some((f, b));
+    }
+    let f = time(ctx, stream, args.samples, |s| {
+        Ok(layer.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
+    })?;
+    let b = time(ctx, stream, args.samples, |_| {
+        Ok(layer.backward(&lw, &dy, &mut dx, &mut grads, false)?)
+    })?;
+    let flops = 6.0 * (t * k * d * i) as f64;
+    let gpu = ctx.name()?;
+    let rec = |backend: &str, phase: &str, us: Vec<f64>, fl: f64| {
+        let st = Stats::from_samples(us);
+        Record {
+            suite: "moe_ep".into(),
+            case: format!("qwen3-30b-a3b-t{t}-ep{ranks}-{phase}"),
+            backend: backend.into(),
+            gpu: gpu.clone(),
+            median_us: st.median_us,
+            iqr_us: st.iqr_us,
+            tflops: Some(fl / (st.median_us * 1e-6) / 1e12),
+            gbps: None,
+            rel_err: err.unwrap_or(f64::NAN),
+            date: today(),
+            commit: commit(),
+        }
+    };
+    let mut out = vec![
+        rec("moefuse_ep", "fwd", f, flops),
+        rec("moefuse_ep", "bwd", b, 2.0 * flops),
+    ];
+    if let Some((f1, b1)) = single {
+        out.push(rec("moefuse", "fwd", f1, flops));
+        out.push(rec("moefuse", "bwd", b1, 2.0 * flops));
+    }
+    Ok(out)
+}
