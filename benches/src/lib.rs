@@ -80,22 +80,7 @@ pub fn append(dir: &Path, suite: &str, records: &[Record]) -> std::io::Result<()
     Ok(())
 }
 
-/// Today's UTC date, `YYYY-MM-DD` (civil-from-days, no time-zone crate needed).
-pub fn today() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let z = (secs / 86400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
-}
+pub use moefuse_testkit::today;
 
 /// The commit the binaries came from (`MOEFUSE_COMMIT`, set by the device pack's run.sh).
 pub fn commit() -> String {
@@ -124,6 +109,42 @@ pub fn open_gpu(name: &str) -> Option<Arc<CudaContext>> {
 
 /// Boxed error for benchmark programs.
 pub type Error = Box<dyn std::error::Error>;
+
+/// A GPU context and the NVSHMEM runtime of this rank on it.
+pub type EpWorld = (Arc<CudaContext>, Arc<moefuse_comm::Runtime>);
+
+/// The NVSHMEM world of an expert-parallel bench: as a launched rank, join the job; at
+/// `ranks > 1` and not launched, relaunch this program as `ranks` ranks (their lines echoed
+/// with the rank) and return `None`; at one rank, a 1-PE runtime in this process. `None`
+/// also when there is no GPU (the skip line is printed).
+pub fn ep_world(name: &str, ranks: usize) -> Result<Option<EpWorld>, Error> {
+    use moefuse_comm::{exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec};
+    use moefuse_comm::{Library, Runtime, UniqueId};
+    let launched = LaunchEnv::from_env()?;
+    if launched.is_none() && ranks > 1 {
+        let argv: Vec<String> = std::env::args().skip(1).collect();
+        let spec = LaunchSpec::new(ranks, std::env::current_exe()?, argv);
+        launch(&spec, |event| {
+            if let LaunchEvent::Output { rank, line, .. } = event {
+                println!("[rank {rank}] {line}");
+            }
+        })?;
+        return Ok(None);
+    }
+    let Some(ctx) = open_gpu(name) else {
+        return Ok(None);
+    };
+    let lib = Library::load(None)?;
+    let rt = match &launched {
+        Some(env) => {
+            let hex = exchange_unique_id(env, || Ok(UniqueId::create(&lib)?.to_hex()))?;
+            let id = UniqueId::from_hex(&hex)?;
+            Runtime::init(&lib, &ctx, &id, env.rank, env.world_size)?
+        }
+        None => Runtime::init(&lib, &ctx, &UniqueId::create(&lib)?, 0, 1)?,
+    };
+    Ok(Some((ctx, rt)))
+}
 
 /// A backend under test: runs its `i`-th call on the stream.
 pub type Backend<'a> = Box<dyn FnMut(usize) -> Result<(), Error> + 'a>;
@@ -156,14 +177,4 @@ pub fn time_interleaved(
         }
     }
     Ok(us.into_iter().map(Stats::from_samples).collect())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn today_is_a_plausible_date() {
-        let d = super::today();
-        assert_eq!(d.len(), 10);
-        assert!(d.as_str() >= "2026-01-01", "{d}");
-    }
 }

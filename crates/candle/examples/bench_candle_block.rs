@@ -408,7 +408,7 @@ fn print_table(rows: &[Row]) {
 /// Appends one JSON line per row to `args.out`.
 fn write_jsonl(args: &Args, rows: &[Row], gpu: &str) -> Res<()> {
     let (date, commit) = (
-        today(),
+        moefuse_testkit::today(),
         std::env::var("MOEFUSE_COMMIT").unwrap_or_else(|_| "unknown".into()),
     );
     let mut f = std::fs::OpenOptions::new()
@@ -462,21 +462,4 @@ fn json_num(v: Option<f64>) -> String {
         Some(v) if v.is_finite() => format!("{v}"),
         _ => "null".into(),
     }
-}
-
-/// Today's UTC date, `YYYY-MM-DD` (civil-from-days, as in `moefuse-benches`).
-fn today() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let z = (secs / 86400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
 }

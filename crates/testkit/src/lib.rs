@@ -200,3 +200,27 @@ pub fn time_scale() -> u32 {
 pub fn scaled_secs(n: u64) -> std::time::Duration {
     std::time::Duration::from_secs(n * u64::from(time_scale()))
 }
+
+/// Today's UTC date, `YYYY-MM-DD` (civil-from-days, no time-zone crate needed): the `date`
+/// field of every benchmark's JSON lines.
+///
+/// ```
+/// let d = moefuse_testkit::today();
+/// assert_eq!(d.len(), 10);
+/// assert!(d.as_str() >= "2026-01-01", "{d}");
+/// ```
+pub fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let z = (secs / 86400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
