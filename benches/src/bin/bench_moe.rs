@@ -23,7 +23,7 @@ use half::bf16;
 use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
 use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
-use moefuse_testkit::{rel_err, Rng, Stats};
+use moefuse_testkit::{rel_err, time_stream, Rng, Stats};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -305,18 +305,9 @@ fn bench_case(
     // The forward alone, per layer: Inference (what a server runs) and, where the device
     // runs it, the same Training forward with the fused gate_up (opt-in) beside the default.
     let time_forward = |l: &mut MoeLayer, work: &mut MoeWorkspace, y: &mut CudaSlice<bf16>| {
-        let mut us = Vec::new();
-        for s in 0..(3 + args.samples) {
-            let (a, b) = (ctx.new_event(timing)?, ctx.new_event(timing)?);
-            a.record(stream)?;
-            l.forward(wv, &xs[s % sets], t, ext(), y, work)?;
-            b.record(stream)?;
-            b.synchronize()?;
-            if s >= 3 {
-                us.push(a.elapsed_ms(&b)? as f64 * 1e3);
-            }
-        }
-        Ok::<_, Error>(us)
+        time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
+            Ok(l.forward(wv, &xs[s % sets], t, ext(), y, work)?)
+        })
     };
     let infer_us = time_forward(infer, work, &mut y)?;
     // The Inference forward captured once as a CUDA graph and replayed (what a decode loop
@@ -329,17 +320,9 @@ fn bench_case(
         let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
         captured?;
         let graph = graph.ok_or("bench_moe: the capture made no graph")?;
-        let mut us = Vec::new();
-        for s in 0..(3 + args.samples) {
-            let (a, b) = (ctx.new_event(timing)?, ctx.new_event(timing)?);
-            a.record(stream)?;
-            graph.launch()?;
-            b.record(stream)?;
-            b.synchronize()?;
-            if s >= 3 {
-                us.push(a.elapsed_ms(&b)? as f64 * 1e3);
-            }
-        }
+        let us = time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
+            Ok(graph.launch()?)
+        })?;
         let replayed = bits(stream.clone_dtoh(&y)?);
         infer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
         if bits(stream.clone_dtoh(&y)?) != replayed {
@@ -400,27 +383,24 @@ fn bench_case(
         println!("  {model} t{t} stages (us): bwd [{}]", show(b));
     }
     let fwd_flops = 6.0 * (t * k * d * cfg.intermediate) as f64;
-    let rec_as = |backend: &str, phase: &str, us: Vec<f64>, flops: f64| {
-        let st = Stats::from_samples(us);
-        Record {
-            suite: "moe".into(),
-            case: format!("{model}-t{t}-{phase}"),
-            backend: backend.into(),
-            gpu: gpu.into(),
-            median_us: st.median_us,
-            iqr_us: st.iqr_us,
-            tflops: Some(flops / (st.median_us * 1e-6) / 1e12),
-            gbps: None,
-            rel_err: err,
-            date: today(),
-            commit: commit(),
-        }
+    let rec_as = |backend: &str, phase: &str, st: Stats, flops: f64| Record {
+        suite: "moe".into(),
+        case: format!("{model}-t{t}-{phase}"),
+        backend: backend.into(),
+        gpu: gpu.into(),
+        median_us: st.median_us,
+        iqr_us: st.iqr_us,
+        tflops: Some(flops / (st.median_us * 1e-6) / 1e12),
+        gbps: None,
+        rel_err: err,
+        date: today(),
+        commit: commit(),
     };
-    let rec = |phase: &str, us: Vec<f64>, flops: f64| rec_as("moefuse", phase, us, flops);
+    let rec = |phase: &str, st: Stats, flops: f64| rec_as("moefuse", phase, st, flops);
     let mut out = vec![
-        rec("fwd", f_us, fwd_flops),
-        rec("bwd", b_us, 2.0 * fwd_flops),
-        rec("fwdbwd", fb_us, 3.0 * fwd_flops),
+        rec("fwd", Stats::from_samples(f_us), fwd_flops),
+        rec("bwd", Stats::from_samples(b_us), 2.0 * fwd_flops),
+        rec("fwdbwd", Stats::from_samples(fb_us), 3.0 * fwd_flops),
         rec("fwd-infer", infer_us, fwd_flops),
         rec("fwd-infer-graph", graph_us, fwd_flops),
     ];
