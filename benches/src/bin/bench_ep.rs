@@ -15,11 +15,8 @@
 use clap::Parser;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
-use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
-use moefuse_comm::{
-    exchange_unique_id, launch, EpConfig, ExpertParallel, LaunchEnv, LaunchEvent, LaunchSpec,
-    Library, Runtime, UniqueId,
-};
+use moefuse_benches::{append, commit, ep_world, rotation, today, Error, Record};
+use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
 use moefuse_testkit::{rel_err, to_f32, Rng, Stats};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -48,37 +45,10 @@ const MODELS: &[(&str, usize, usize, usize)] = &[
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let launched = LaunchEnv::from_env()?;
-    if launched.is_none() && args.ranks > 1 {
-        let argv: Vec<String> = std::env::args().skip(1).collect();
-        let spec = LaunchSpec::new(args.ranks, std::env::current_exe()?, argv);
-        launch(&spec, |event| {
-            if let LaunchEvent::Output { rank, line, .. } = event {
-                println!("[rank {rank}] {line}");
-            }
-        })?;
-        return Ok(());
-    }
-    let Some(ctx) = open_gpu("bench_ep") else {
+    let Some((ctx, rt)) = ep_world("bench_ep", args.ranks)? else {
         return Ok(());
     };
-    let lib = Library::load(None)?;
-    let (rank, ranks, rt) = match &launched {
-        Some(env) => {
-            let hex = exchange_unique_id(env, || Ok(UniqueId::create(&lib)?.to_hex()))?;
-            let id = UniqueId::from_hex(&hex)?;
-            (
-                env.rank,
-                env.world_size,
-                Runtime::init(&lib, &ctx, &id, env.rank, env.world_size)?,
-            )
-        }
-        None => (
-            0,
-            1,
-            Runtime::init(&lib, &ctx, &UniqueId::create(&lib)?, 0, 1)?,
-        ),
-    };
+    let rank = rt.rank();
     // NOTES: the context's per-thread default stream, and no other: a context that never
     // creates a stream of its own stays out of cudarc's multi-stream mode, so no per-buffer
     // events are recorded in the timed loop (the safe way to what disable_event_tracking did).
@@ -94,7 +64,6 @@ fn main() -> Result<(), Error> {
             append(&args.out, "dispatch_combine", &recs)?;
         }
     }
-    let _ = ranks;
     Ok(())
 }
 

@@ -15,12 +15,10 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::{MoeConfig, RouterKind};
-use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
-use moefuse_comm::{
-    exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec, Library, Runtime, UniqueId,
-};
+use moefuse_benches::{append, commit, ep_world, rotation, today, Error, Record};
+use moefuse_comm::Runtime;
 use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
-use moefuse_testkit::{rel_err, Rng, Stats};
+use moefuse_testkit::{rel_err, time_stream, Rng, Stats};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -42,28 +40,8 @@ struct Args {
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let launched = LaunchEnv::from_env()?;
-    if launched.is_none() && args.ranks > 1 {
-        let argv: Vec<String> = std::env::args().skip(1).collect();
-        let spec = LaunchSpec::new(args.ranks, std::env::current_exe()?, argv);
-        launch(&spec, |event| {
-            if let LaunchEvent::Output { rank, line, .. } = event {
-                println!("[rank {rank}] {line}");
-            }
-        })?;
+    let Some((ctx, rt)) = ep_world("bench_ep_layer", args.ranks)? else {
         return Ok(());
-    }
-    let Some(ctx) = open_gpu("bench_ep_layer") else {
-        return Ok(());
-    };
-    let lib = Library::load(None)?;
-    let rt = match &launched {
-        Some(env) => {
-            let hex = exchange_unique_id(env, || Ok(UniqueId::create(&lib)?.to_hex()))?;
-            let id = UniqueId::from_hex(&hex)?;
-            Runtime::init(&lib, &ctx, &id, env.rank, env.world_size)?
-        }
-        None => Runtime::init(&lib, &ctx, &UniqueId::create(&lib)?, 0, 1)?,
     };
     // One stream, the context's per-thread default: cudarc records no per-buffer events.
     let stream = ctx.per_thread_stream();
@@ -75,28 +53,6 @@ fn main() -> Result<(), Error> {
         append(&args.out, "moe_ep", &recs)?;
     }
     Ok(())
-}
-
-/// Events around `f`, `3 + samples` times; the first three are warm-up.
-fn time(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    samples: usize,
-    mut f: impl FnMut(usize) -> Result<(), Error>,
-) -> Result<Vec<f64>, Error> {
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut us = Vec::new();
-    for s in 0..(3 + samples) {
-        let (a, b) = (ctx.new_event(timing)?, ctx.new_event(timing)?);
-        a.record(stream)?;
-        f(s)?;
-        b.record(stream)?;
-        b.synchronize()?;
-        if s >= 3 {
-            us.push(a.elapsed_ms(&b)? as f64 * 1e3);
-        }
-    }
-    Ok(us)
 }
 
 fn bench(
@@ -180,37 +136,34 @@ fn bench(
             );
         }
         err = Some(e1);
-        let f = time(ctx, stream, args.samples, |s| {
+        let f = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
             Ok(one.forward(&weights, &xs[s % sets], t, routing(), &mut y, &mut ws)?)
         })?;
-        let b = time(ctx, stream, args.samples, |_| {
+        let b = time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
             Ok(one.backward(&weights, &dy, &mut dx, &mut g1, false, &mut ws)?)
         })?;
         single = Some((f, b));
     }
-    let f = time(ctx, stream, args.samples, |s| {
+    let f = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
         Ok(layer.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
     })?;
-    let b = time(ctx, stream, args.samples, |_| {
+    let b = time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
         Ok(layer.backward(&lw, &dy, &mut dx, &mut grads, false)?)
     })?;
     let flops = 6.0 * (t * k * d * i) as f64;
     let gpu = ctx.name()?;
-    let rec = |backend: &str, phase: &str, us: Vec<f64>, fl: f64| {
-        let st = Stats::from_samples(us);
-        Record {
-            suite: "moe_ep".into(),
-            case: format!("qwen3-30b-a3b-t{t}-ep{ranks}-{phase}"),
-            backend: backend.into(),
-            gpu: gpu.clone(),
-            median_us: st.median_us,
-            iqr_us: st.iqr_us,
-            tflops: Some(fl / (st.median_us * 1e-6) / 1e12),
-            gbps: None,
-            rel_err: err.unwrap_or(f64::NAN),
-            date: today(),
-            commit: commit(),
-        }
+    let rec = |backend: &str, phase: &str, st: Stats, fl: f64| Record {
+        suite: "moe_ep".into(),
+        case: format!("qwen3-30b-a3b-t{t}-ep{ranks}-{phase}"),
+        backend: backend.into(),
+        gpu: gpu.clone(),
+        median_us: st.median_us,
+        iqr_us: st.iqr_us,
+        tflops: Some(fl / (st.median_us * 1e-6) / 1e12),
+        gbps: None,
+        rel_err: err.unwrap_or(f64::NAN),
+        date: today(),
+        commit: commit(),
     };
     let mut out = vec![
         rec("moefuse_ep", "fwd", f, flops),
