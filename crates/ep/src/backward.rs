@@ -8,6 +8,7 @@
 //! gate_up dgrad/wgrad on the saved rows; dx returns through the second exchange's combine;
 //! `s` returns through the third (slot j's value in column j).
 
+use crate::error::need;
 use crate::layer::{EpMoeLayer, LocalWeights};
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -184,10 +185,6 @@ impl EpMoeLayer {
         })?;
         let c = *self.config();
         let (t, d, k) = (last.tokens, c.hidden, c.top_k);
-        let need = |what: &'static str, got: usize, needed: usize| match got < needed {
-            true => Err(EpError::Shape { what, needed, got }),
-            false => Ok(()),
-        };
         need("dy [T, D]", dy.len(), t * d)?;
         need("dx [T, D]", dx.len(), t * d)?;
         need("d_topk_weights [T, k]", grads.d_topk_weights.len(), t * k)?;

@@ -47,3 +47,11 @@ pub enum EpError {
     #[error("CUDA driver error: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
 }
+
+/// `got >= needed` elements, else [`EpError::Shape`] naming `what`.
+pub(crate) fn need(what: &'static str, got: usize, needed: usize) -> Result<(), EpError> {
+    if got < needed {
+        return Err(EpError::Shape { what, needed, got });
+    }
+    Ok(())
+}

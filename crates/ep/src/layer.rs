@@ -1,6 +1,7 @@
 //! [`EpMoeLayer`]: route → dispatch → local gate_up GEMM → activation → local down GEMM →
 //! combine, on the stream of its [`ExpertParallel`].
 
+use crate::error::need;
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -349,13 +350,6 @@ impl EpMoeLayer {
                 max: self.max_tokens,
             });
         }
-        let need = |what: &'static str, got: usize, needed: usize| {
-            if got < needed {
-                Err(EpError::Shape { what, needed, got })
-            } else {
-                Ok(())
-            }
-        };
         need("gate_up [E/N, W, D]", weights.gate_up.len(), local * w * d)?;
         need("down [E/N, D, I]", weights.down.len(), local * d * i)?;
         need("x [T, D]", x.len(), tokens * d)?;
