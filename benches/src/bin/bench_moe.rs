@@ -20,7 +20,7 @@
 use clap::Parser;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
+use moefuse::gpu::{decode_applies, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
 use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
 use moefuse_testkit::{rel_err, time_stream, Rng, Stats};
@@ -312,25 +312,45 @@ fn bench_case(
     let infer_us = time_forward(infer, work, &mut y)?;
     // The Inference forward captured once as a CUDA graph and replayed (what a decode loop
     // runs): it reads the captured x (no rotation; the weights dominate at decode sizes)
-    // and the device routing in place.
-    let graph_us = {
+    // and the device routing in place; checked against an eager forward.
+    let time_graph = |l: &mut MoeLayer, work: &mut MoeWorkspace, y: &mut CudaSlice<bf16>| {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let captured = infer.forward(wv, &xs[0], t, ext(), &mut y, work);
+        let captured = l.forward(wv, &xs[0], t, ext(), y, work);
         let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
         captured?;
         let graph = graph.ok_or("bench_moe: the capture made no graph")?;
         let us = time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
             Ok(graph.launch()?)
         })?;
-        let replayed = bits(stream.clone_dtoh(&y)?);
-        infer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
-        if bits(stream.clone_dtoh(&y)?) != replayed {
-            return Err(
-                format!("{model} t{t}: the replayed graph differs from an eager forward").into(),
-            );
+        let replayed = bits(stream.clone_dtoh(y)?);
+        l.forward(wv, &xs[0], t, ext(), y, work)?;
+        if bits(stream.clone_dtoh(y)?) != replayed {
+            return Err(Error::from(format!(
+                "{model} t{t}: the replayed graph differs from an eager forward"
+            )));
         }
-        us
+        Ok::<Stats, Error>(us)
+    };
+    let graph_us = time_graph(infer, work, &mut y)?;
+    // Where the layer takes the decode path, the grouped-GEMM path it replaces, same run.
+    let grouped_path = if decode_applies(&cfg, t) {
+        infer.set_decode_path(false);
+        let timed = time_forward(infer, work, &mut y).and_then(|eager| {
+            let got: Vec<f32> = stream.clone_dtoh(&y)?[..n * d]
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            Ok((
+                eager,
+                time_graph(infer, work, &mut y)?,
+                rel_err(&got, &want),
+            ))
+        });
+        infer.set_decode_path(true);
+        Some(timed?)
+    } else {
+        None
     };
     let fused_us = if moefuse::gpu::gate_up_fused_supported(stream)? {
         layer.set_fused_gate_up(true)?;
@@ -408,6 +428,27 @@ fn bench_case(
         let mut r = rec_as("moefuse_fused_gate_up", "fwd", us, fwd_flops);
         r.rel_err = fused_err;
         out.push(r);
+    }
+    if let Some((eager, graph, grouped_err)) = grouped_path {
+        for (phase, st) in [("fwd-infer", eager), ("fwd-infer-graph", graph)] {
+            let mut r = rec_as("moefuse_grouped_path", phase, st, fwd_flops);
+            r.rel_err = grouped_err;
+            out.push(r);
+        }
+    }
+    // Decode sizes are bound by the expert weights: the forwards' effective streaming rate
+    // (bytes of the experts the routing touches / time).
+    if decode_applies(&cfg, t) {
+        let touched = ids.iter().collect::<std::collections::BTreeSet<_>>().len();
+        let bytes = (touched * (cfg.gate_up_width() * d + d * cfg.intermediate) * 2) as f64;
+        for r in out.iter_mut().filter(|r| !r.case.ends_with("bwd")) {
+            r.gbps = Some(bytes / (r.median_us * 1e-6) / 1e9);
+        }
+        println!(
+            "  {model} t{t}: {touched} experts touched, {:.1} MB of weights (floor {:.1} us at 4.3 TB/s)",
+            bytes / 1e6,
+            bytes / 4.3e12 * 1e6
+        );
     }
     Ok(out)
 }

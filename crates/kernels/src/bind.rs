@@ -241,6 +241,7 @@ pub(crate) enum Call {
     ActivationBackward(ffi::MoefuseActivationArgs),
     Permute(ffi::MoefusePermuteArgs),
     GateUpFused(ffi::MoefuseGateUpArgs),
+    DecodeForward(ffi::MoefuseDecodeArgs),
     ScatterColumns(ffi::MoefuseScatterColumnsArgs),
     ColumnsToF32(ffi::MoefuseColumnsToF32Args),
     Combine(ffi::MoefuseCombineArgs),
@@ -292,6 +293,8 @@ impl Call {
                 Call::Permute(a) => ffi::moefuse_moe_permute(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::GateUpFused(a) => ffi::moefuse_moe_gate_up_fused(a, stream),
+                #[cfg(moefuse_moe_linked)]
+                Call::DecodeForward(a) => ffi::moefuse_moe_decode_forward(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::ScatterColumns(a) => ffi::moefuse_moe_scatter_columns(a, stream),
                 #[cfg(moefuse_moe_linked)]

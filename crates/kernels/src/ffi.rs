@@ -360,6 +360,61 @@ pub struct MoefuseGateUpArgs {
     pub errors: *mut u32,
 }
 
+/// `moefuse_decode_args` (moe_abi.h): the small-batch forward's two kernels.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseDecodeArgs {
+    /// Tokens, `1..=MOEFUSE_DECODE_MAX_TOKENS`.
+    pub tokens: i32,
+    /// Slots per token.
+    pub top_k: i32,
+    /// `D` (multiple of 32).
+    pub hidden: i32,
+    /// `I` (multiple of 32).
+    pub intermediate: i32,
+    /// Experts.
+    pub experts: i32,
+    /// `MOEFUSE_ACTIVATION_*`.
+    pub activation: i32,
+    /// `MOEFUSE_GATE_UP_*`.
+    pub layout: i32,
+    /// 0.
+    pub reserved: i32,
+    /// `SwiGluOai`'s sigmoid slope.
+    pub alpha: f32,
+    /// The clamped activations' limit.
+    pub limit: f32,
+    /// `[tokens, top_k]` expert ids.
+    pub topk_ids: *const i32,
+    /// `[tokens, top_k]` routing weights.
+    pub topk_weights: *const f32,
+    /// `[tokens * top_k]` expert-major rows, or null.
+    pub row_of: *const i32,
+    /// `[tokens, hidden]` bf16.
+    pub x: *const c_void,
+    /// `[experts, W, hidden]` bf16.
+    pub w_gate_up: *const c_void,
+    /// `[experts, hidden, intermediate]` bf16.
+    pub w_down: *const c_void,
+    /// `[tokens * top_k, intermediate]` bf16 scratch.
+    pub h: *mut c_void,
+    /// `[tokens, hidden]` bf16 out.
+    pub y: *mut c_void,
+    /// `[tokens * top_k, W]` bf16 expert-major out, or null.
+    pub h_pre_rows: *mut c_void,
+    /// `[tokens * top_k, intermediate]` bf16 expert-major out, or null.
+    pub h_rows: *mut c_void,
+    /// `[tokens * top_k, hidden]` bf16 expert-major out, or null.
+    pub y_e_rows: *mut c_void,
+    /// `[1]` error bits, or null.
+    pub errors: *mut u32,
+}
+
+/// `MOEFUSE_DECODE_MAX_TOKENS` (moe_abi.h).
+pub const MOEFUSE_DECODE_MAX_TOKENS: usize = 64;
+/// `MOEFUSE_DECODE_MAX_SLOTS` (moe_abi.h).
+pub const MOEFUSE_DECODE_MAX_SLOTS: usize = 1024;
+
 /// `moefuse_scatter_columns_args` (moe_abi.h): one value per row into a zeroed bf16 row.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -437,6 +492,11 @@ extern "C" {
         args: *const MoefuseColumnsToF32Args,
         stream: *mut c_void,
     ) -> MoefuseStatus;
+    /// `moefuse_moe_decode_forward(args, stream)`
+    pub fn moefuse_moe_decode_forward(
+        args: *const MoefuseDecodeArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
     /// `moefuse_moe_gate_up_fused(args, stream)`
     pub fn moefuse_moe_gate_up_fused(
         args: *const MoefuseGateUpArgs,
@@ -509,6 +569,10 @@ mod tests {
         assert_eq!(offset_of!(MoefuseScatterColumnsArgs, errors), 48);
         assert_eq!(size_of::<MoefuseColumnsToF32Args>(), 32);
         assert_eq!(offset_of!(MoefuseColumnsToF32Args, input), 16);
+        assert_eq!(size_of::<MoefuseDecodeArgs>(), 136);
+        assert_eq!(offset_of!(MoefuseDecodeArgs, alpha), 32);
+        assert_eq!(offset_of!(MoefuseDecodeArgs, topk_ids), 40);
+        assert_eq!(offset_of!(MoefuseDecodeArgs, errors), 128);
         assert_eq!(size_of::<MoefuseGateUpArgs>(), 96);
         assert_eq!(offset_of!(MoefuseGateUpArgs, alpha), 32);
         assert_eq!(offset_of!(MoefuseGateUpArgs, offsets), 40);

@@ -29,7 +29,7 @@
 
 use crate::bind::Binder;
 use crate::moe_ops::{
-    Activation, ColumnsToF32, CombineBackward, CombineForward, GateUpFused, Permute,
+    Activation, ColumnsToF32, CombineBackward, CombineForward, DecodeForward, GateUpFused, Permute,
     RouterBackward, RouterForward, ScatterColumns,
 };
 use crate::ops::{Gemm, GroupedGemm};
@@ -64,6 +64,8 @@ pub enum Launch<'a> {
     Permute(Permute<'a>),
     /// `moefuse_moe_gate_up_fused`.
     GateUpFused(GateUpFused<'a>),
+    /// `moefuse_moe_decode_forward`.
+    DecodeForward(DecodeForward<'a>),
     /// `moefuse_moe_scatter_columns`.
     ScatterColumns(ScatterColumns<'a>),
     /// `moefuse_moe_columns_to_f32`.
@@ -91,6 +93,7 @@ launch_from!(
     Activation(Activation),
     Permute(Permute),
     GateUpFused(GateUpFused),
+    DecodeForward(DecodeForward),
     ScatterColumns(ScatterColumns),
     ColumnsToF32(ColumnsToF32),
     Combine(CombineForward),
@@ -109,6 +112,7 @@ impl Launch<'_> {
             Launch::Activation(_) => "moefuse_moe_activation_fwd".into(),
             Launch::Permute(_) => "moefuse_moe_permute".into(),
             Launch::GateUpFused(_) => "moefuse_moe_gate_up_fused".into(),
+            Launch::DecodeForward(_) => "moefuse_moe_decode_forward".into(),
             Launch::ScatterColumns(_) => "moefuse_moe_scatter_columns".into(),
             Launch::ColumnsToF32(_) => "moefuse_moe_columns_to_f32".into(),
             Launch::Combine(_) => "moefuse_moe_combine".into(),
@@ -154,6 +158,7 @@ impl Kernels {
             Launch::Activation(a) => a.bind(&mut binder)?,
             Launch::Permute(p) => p.bind(&mut binder)?,
             Launch::GateUpFused(g) => g.bind(&mut binder)?,
+            Launch::DecodeForward(d) => d.bind(&mut binder)?,
             Launch::ScatterColumns(c) => c.bind(&mut binder)?,
             Launch::ColumnsToF32(c) => c.bind(&mut binder)?,
             Launch::Combine(c) => c.bind(&mut binder)?,

@@ -10,9 +10,11 @@ use half::bf16;
 use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
 
 mod columns;
+mod decode;
 mod gate_up;
 mod permute;
 pub use columns::{ColumnsToF32, ScatterColumns};
+pub use decode::{DecodeForward, DECODE_DIM_MULTIPLE};
 pub use gate_up::GateUpFused;
 pub use permute::{CombineBackward, CombineForward, Permute};
 

@@ -9,220 +9,31 @@
 
 mod layer_common;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::CudaContext;
 use half::bf16;
-use layer_common::{bits, build, cases, e, f32s, inputs, same_bits, to_bf, Built, Case, Route};
+use layer_common::{build, cases, check_case, e, f32s, inputs, to_bf, Built};
 use moefuse::gpu::{Mode, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::model::MoeWeights;
-use moefuse::reference::{self, RoutingInput};
+
 use moefuse::{MoeConfig, MoeError, RouterKind};
-use moefuse_testkit::{check_close, GpuSuite, Rng, POISON_BF16};
+use moefuse_testkit::{GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
-
-const REL: f64 = 2e-2;
-
-/// One forward + backward of `case` on the GPU against the reference.
-fn check_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<(), String> {
-    let cfg = case.cfg;
-    let (t, d, ex, k) = (case.tokens, cfg.hidden, cfg.experts, cfg.top_k);
-    let what = |m: &str| format!("{} (seed {seed}): {m}", case.name);
-    let inp = inputs(case, seed)?;
-    let routing_in = match case.route {
-        Route::Ours => RoutingInput::Ours,
-        Route::ExternalLowerHalf => RoutingInput::External {
-            topk_ids: &inp.ids,
-            topk_weights: &inp.weights,
-        },
-    };
-    let fwd = reference::forward(&cfg, &inp.w, &inp.x, routing_in).map_err(e)?;
-    let grads = reference::backward(&cfg, &inp.w, &inp.x, &fwd, &inp.dy).map_err(e)?;
-
-    let Built {
-        mut layer,
-        weights: dw,
-        mut ws,
-    } = build(stream, cfg, t + 17, &inp.w, Mode::Training)?;
-    let wv = dw.view();
-    let x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
-    let dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
-    let mut y_d = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
-    let logits_d: CudaSlice<f32>;
-    let (ids_d, w_d);
-    let routing = match case.route {
-        Route::Ours => {
-            logits_d = stream.clone_htod(&inp.logits).map_err(e)?;
-            Routing::Logits(&logits_d)
-        }
-        Route::ExternalLowerHalf => {
-            ids_d = stream.clone_htod(&inp.ids).map_err(e)?;
-            w_d = stream.clone_htod(&inp.weights).map_err(e)?;
-            Routing::External {
-                topk_ids: &ids_d,
-                topk_weights: &w_d,
-            }
-        }
-    };
-    layer
-        .forward(&wv, &x_d, t, routing, &mut y_d, &mut ws)
-        .map_err(e)?;
-    let (ids, _) = layer.routing().ok_or(what("no routing in the layer"))?;
-    let ids = stream.clone_dtoh(ids).map_err(e)?;
-    if ids[..t * k] != fwd.routing.topk_ids[..] {
-        return Err(what("routing differs from the reference"));
-    }
-    let y = f32s(&stream.clone_dtoh(&y_d).map_err(e)?);
-    check_close(&y, &fwd.y, REL, &what("y"))?;
-
-    let mut g = layer.gradients().map_err(e)?;
-    let mut dx_d = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
-    layer
-        .backward(&wv, &dy_d, &mut dx_d, &mut g, false, &mut ws)
-        .map_err(e)?;
-    let mut dx = f32s(&stream.clone_dtoh(&dx_d).map_err(e)?);
-    let d_gate_up = f32s(&stream.clone_dtoh(&g.d_gate_up).map_err(e)?);
-    let d_down = f32s(&stream.clone_dtoh(&g.d_down).map_err(e)?);
-    let dtw = stream.clone_dtoh(&g.d_topk_weights).map_err(e)?;
-    check_close(
-        &dtw[..t * k],
-        &grads.d_topk_weights,
-        REL,
-        &what("d_topk_weights"),
-    )?;
-    check_close(&d_down, &grads.d_down, REL, &what("d_down"))?;
-    check_close(&d_gate_up, &grads.d_gate_up, REL, &what("d_gate_up"))?;
-    if let (Some(want_dl), Some(router)) = (&grads.d_logits, &inp.w.router) {
-        let dl = stream.clone_dtoh(&g.d_logits).map_err(e)?;
-        // Top-1 with renormalisation: the weight is p/p = 1, so d_logits is exactly zero
-        // (the reference's is rounding noise): compare absolutely there.
-        let zero = want_dl.iter().all(|v| v.abs() < 1e-6);
-        if zero {
-            let worst = dl[..t * ex].iter().fold(0f32, |m, v| m.max(v.abs()));
-            if !moefuse_testkit::within(f64::from(worst), 1e-5) {
-                return Err(what(&format!(
-                    "d_logits must be ~0, max |d_logits| = {worst}"
-                )));
-            }
-        } else {
-            // The router backward itself, on the GPU's own d_topk_weights (checked above):
-            // d_logits = p (g - <p, g>) cancels when g is nearly constant across a token's
-            // experts, so against the reference's d_logits the bf16 error of g is amplified
-            // (7.7e-2 on one token, seed 1796288097000233052). Many tokens average that out.
-            let own = reference::route_backward(&cfg, &inp.logits, &fwd.routing, &dtw[..t * k])
-                .map_err(e)?;
-            check_close(
-                &dl[..t * ex],
-                &own,
-                REL,
-                &what("d_logits (router backward)"),
-            )?;
-            if t >= 32 {
-                check_close(&dl[..t * ex], want_dl, REL, &what("d_logits"))?;
-            }
-        }
-        // The router matrix's share of dx is the caller's: add it before comparing.
-        for tok in 0..t {
-            for ei in 0..ex {
-                let gl = dl[tok * ex + ei];
-                for c in 0..d {
-                    dx[tok * d + c] += gl * router[ei * d + c];
-                }
-            }
-        }
-    }
-    check_close(&dx, &grads.dx, REL, &what("dx"))?;
-
-    // Accumulate: a second backward adds the same weight gradients.
-    layer
-        .backward(&wv, &dy_d, &mut dx_d, &mut g, true, &mut ws)
-        .map_err(e)?;
-    let twice = f32s(&stream.clone_dtoh(&g.d_down).map_err(e)?);
-    let want: Vec<f32> = grads.d_down.iter().map(|v| 2.0 * v).collect();
-    check_close(&twice, &want, REL, &what("d_down accumulated twice"))?;
-    Ok(())
-}
 
 fn layer_cases(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     let seed = Rng::fresh_seed();
+    // The grouped-GEMM path at every T (tests/decode_gpu.rs covers the decode path).
     for (n, case) in cases().iter().enumerate() {
-        check_case(&stream, case, seed.wrapping_add(n as u64))?;
+        check_case(&stream, case, seed.wrapping_add(n as u64), false)?;
         println!("{} ok", case.name);
     }
     Ok(())
 }
 
 /// Forward + backward captured once, replayed with new x, logits (so new routing), dy and
-/// weights written into the caller's buffers: equal to eager bit for bit.
+/// weights written into the caller's buffers: equal to eager bit for bit (grouped path).
 fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    // A fresh handle on the device's primary context that never creates a stream of its
-    // own stays out of cudarc's multi-stream mode, so cudarc records no per-buffer events
-    // (which must not enter the captured graph); capture runs on the per-thread default
-    // stream (the legacy stream cannot be captured). No tracking opt-out is needed.
-    let ctx = &CudaContext::new(ctx.ordinal()).map_err(e)?;
-    let stream = ctx.per_thread_stream();
-    let case = &cases()[0];
-    let (t, d) = (case.tokens, case.cfg.hidden);
-    let seed = Rng::fresh_seed();
-    let inp = inputs(case, seed)?;
-    let Built {
-        mut layer,
-        weights: mut dw,
-        mut ws,
-    } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
-    let mut x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
-    let mut l_d = stream.clone_htod(&inp.logits).map_err(e)?;
-    let mut dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
-    let mut y_d = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
-    let mut dx_d = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
-    let mut g = layer.gradients().map_err(e)?;
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e)?;
-    let wv = dw.view();
-    let captured = layer
-        .forward(&wv, &x_d, t, Routing::Logits(&l_d), &mut y_d, &mut ws)
-        .and_then(|_| layer.backward(&wv, &dy_d, &mut dx_d, &mut g, false, &mut ws));
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
-    captured.map_err(|x| format!("under capture: {x}"))?;
-    let graph = graph.ok_or("no graph")?;
-    for i in 1..4u64 {
-        let inp = inputs(case, seed.wrapping_add(i))?;
-        stream.memcpy_htod(&to_bf(&inp.x), &mut x_d).map_err(e)?;
-        stream.memcpy_htod(&inp.logits, &mut l_d).map_err(e)?;
-        stream.memcpy_htod(&to_bf(&inp.dy), &mut dy_d).map_err(e)?;
-        // A weight update in place (the layer borrows the buffers, the graph reads them).
-        stream
-            .memcpy_htod(&to_bf(&inp.w.gate_up), &mut dw.gate_up)
-            .map_err(e)?;
-        stream
-            .memcpy_htod(&to_bf(&inp.w.down), &mut dw.down)
-            .map_err(e)?;
-        graph.launch().map_err(e)?;
-        let (y1, dx1, dw1) = (
-            stream.clone_dtoh(&y_d).map_err(e)?,
-            stream.clone_dtoh(&dx_d).map_err(e)?,
-            stream.clone_dtoh(&g.d_gate_up).map_err(e)?,
-        );
-        let wv = dw.view();
-        layer
-            .forward(&wv, &x_d, t, Routing::Logits(&l_d), &mut y_d, &mut ws)
-            .map_err(e)?;
-        layer
-            .backward(&wv, &dy_d, &mut dx_d, &mut g, false, &mut ws)
-            .map_err(e)?;
-        let what = |m: &str| format!("replay {i} (seed {seed}): {m} differs from eager");
-        let y2 = stream.clone_dtoh(&y_d).map_err(e)?;
-        same_bits(&what("y"), &bits(&y1), &bits(&y2))?;
-        let dx2 = stream.clone_dtoh(&dx_d).map_err(e)?;
-        same_bits(&what("dx"), &bits(&dx1), &bits(&dx2))?;
-        let dw2 = stream.clone_dtoh(&g.d_gate_up).map_err(e)?;
-        same_bits(&what("d_gate_up"), &bits(&dw1), &bits(&dw2))?;
-        // The replay saw the new weights: y matches the reference of this iteration.
-        let want = reference::forward(&case.cfg, &inp.w, &inp.x, RoutingInput::Ours).map_err(e)?;
-        check_close(&f32s(&y2), &want.y, REL, &what("y vs reference"))?;
-    }
-    Ok(())
+    layer_common::graph_replay_case(ctx, &cases()[0], false)
 }
 
 /// Bad configurations and inputs are typed errors before any launch.

@@ -12,7 +12,10 @@
 //!    GEMM, `row_of`, `source_of`) and gathers `x` into those rows; [`combine`] sums expert
 //!    outputs back to tokens with the routing weights in fp32; [`combine_backward`] gives
 //!    the weighted upstream rows and `d_topk_weights`.
-//! 4. [`MoeLayer`] is the whole layer, forward and backward, from these and the grouped
+//! 4. [`decode_forward`] runs the whole expert MLP of up to [`DECODE_MAX_TOKENS`] tokens
+//!    after routing (gate_up, activation, down, weighted combine) in two kernels that read
+//!    each touched expert's weights once: the layer's small-batch path.
+//! 5. [`MoeLayer`] is the whole layer, forward and backward, from these and the grouped
 //!    GEMMs of `moefuse-grouped-gemm`, as plan → run: a host-only [`MoePlan`] validates and
 //!    sizes everything once, a layer binds it to a stream in a [`Mode`] (Inference keeps
 //!    nothing for a backward), each call borrows the caller's [`Weights`] and a
@@ -48,6 +51,7 @@
 
 mod activation;
 mod buffers;
+mod decode;
 mod errors;
 mod fused;
 mod layer;
@@ -56,6 +60,9 @@ mod router;
 
 pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
 pub use buffers::PermuteBuffers;
+pub use decode::{
+    decode_applies, decode_forward, DecodeInputs, DecodeSaved, DECODE_MAX_SLOTS, DECODE_MAX_TOKENS,
+};
 pub use errors::DeviceErrors;
 pub use fused::{gate_up_fused, gate_up_fused_supported, GateUpInputs};
 pub use layer::{

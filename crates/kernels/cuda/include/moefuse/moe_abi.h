@@ -184,6 +184,53 @@ typedef struct moefuse_columns_to_f32_args {
 moefuse_status moefuse_moe_scatter_columns(const moefuse_scatter_columns_args* args, void* stream);
 moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* args, void* stream);
 
+/*
+ * Small-batch (decode) forward (moe/decode.cu): the whole expert MLP of a few tokens in two
+ * kernels that stream each touched expert's weights once, on any arch with mma.sync (built
+ * into the fat object for every target). With s = t*top_k + j, e = topk_ids[s]:
+ *   gate_up kernel:  h[s, :] = act(x[t] · W_e^T)     (fp32 accumulators, activation as in
+ *                    moe/activation_math.cuh; W_e = w_gate_up[e] as [W, hidden])
+ *   down kernel:     y_e = bf16(h[s] · D_e^T)        (D_e = w_down[e] as [hidden, intermediate])
+ *                    y[t] = bf16(sum over j in order of topk_weights[s] * y_e)   (fp32)
+ * h is slot-major scratch [tokens*top_k, intermediate]. When row_of is not NULL, the
+ * expert-major copies a backward reads are written too, each only when its pointer is not
+ * NULL: h_pre_rows[row_of[s]] (the pre-activation, bf16 of the accumulators),
+ * h_rows[row_of[s]], y_e_rows[row_of[s]] (row_of entries outside 0..tokens*top_k-1 are
+ * skipped). topk_ids live on the device and are not trusted: a slot whose id is outside
+ * 0..experts-1 contributes nothing and raises MOEFUSE_MOE_ERROR_EXPERT_ID in errors[0].
+ * Limits: 1 <= tokens <= MOEFUSE_DECODE_MAX_TOKENS, tokens*top_k <= MOEFUSE_DECODE_MAX_SLOTS,
+ * hidden and intermediate multiples of 32, 16-byte aligned x, weights, h, y and the
+ * expert-major outputs. Deterministic: no atomics on data, fixed summation orders.
+ */
+#define MOEFUSE_DECODE_MAX_TOKENS 64
+#define MOEFUSE_DECODE_MAX_SLOTS 1024
+typedef struct moefuse_decode_args {
+  int32_t tokens;
+  int32_t top_k;
+  int32_t hidden;
+  int32_t intermediate;
+  int32_t experts;
+  int32_t activation;           /* MOEFUSE_ACTIVATION_* */
+  int32_t layout;               /* MOEFUSE_GATE_UP_SPLIT or _INTERLEAVED */
+  int32_t reserved;             /* 0 */
+  float alpha;                  /* SWIGLU_OAI's alpha */
+  float limit;                  /* the clamped activations' limit */
+  const int32_t* topk_ids;      /* [tokens, top_k] */
+  const float* topk_weights;    /* [tokens, top_k] */
+  const int32_t* row_of;        /* [tokens*top_k] expert-major rows, or NULL */
+  const uint16_t* x;            /* [tokens, hidden] bf16 */
+  const uint16_t* w_gate_up;    /* [experts, W, hidden] bf16 */
+  const uint16_t* w_down;       /* [experts, hidden, intermediate] bf16 */
+  uint16_t* h;                  /* [tokens*top_k, intermediate] bf16 scratch */
+  uint16_t* y;                  /* [tokens, hidden] bf16 */
+  uint16_t* h_pre_rows;         /* [tokens*top_k, W], or NULL */
+  uint16_t* h_rows;             /* [tokens*top_k, intermediate], or NULL */
+  uint16_t* y_e_rows;           /* [tokens*top_k, hidden], or NULL */
+  uint32_t* errors;             /* [1] error bits, or NULL */
+} moefuse_decode_args;
+
+moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* args, void* stream);
+
 moefuse_status moefuse_moe_permute(const moefuse_permute_args* args, void* stream);
 moefuse_status moefuse_moe_combine(const moefuse_combine_args* args, void* stream);
 moefuse_status moefuse_moe_combine_bwd(const moefuse_combine_bwd_args* args, void* stream);

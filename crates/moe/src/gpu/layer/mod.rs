@@ -252,6 +252,8 @@ pub struct MoeLayer {
     profile: Profile,
     /// The forward's gate_up runs fused (gather + GEMM + activation, sm_90a).
     fused_gate_up: bool,
+    /// Forwards of `T ≤ DECODE_MAX_TOKENS` run the decode kernels.
+    decode_path: bool,
 }
 
 impl MoeLayer {
@@ -308,7 +310,45 @@ impl MoeLayer {
             // still slower than the permutation's gather plus the plain GEMM and activation
             // (Qwen3-30B-A3B T=8192: 1624 us against 105 + 735 + 93; docs/perf-notes.md).
             fused_gate_up: false,
+            decode_path: true,
         })
+    }
+
+    /// Whether forwards of few tokens take the decode path: for `T ≤`
+    /// [`DECODE_MAX_TOKENS`](crate::gpu::DECODE_MAX_TOKENS) (and
+    /// [`decode_applies`](crate::gpu::decode_applies)), routing is followed by
+    /// [`decode_forward`](crate::gpu::decode_forward)'s two kernels instead of the
+    /// permutation, two grouped GEMMs, the activation and the combine (a Training layer
+    /// still runs the permutation, whose rows the backward reads, and the decode kernels
+    /// write the expert-major copies it keeps). On by default. Both modes take the same path
+    /// for the same `T`, so an Inference forward still equals a Training one bit for bit.
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert!(layer.decode_path());
+    /// layer.set_decode_path(false); // the grouped-GEMM path for every T
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn decode_path(&self) -> bool {
+        self.decode_path
+    }
+
+    /// Turns the decode path on (the default) or off; see [`MoeLayer::decode_path`].
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Training)?;
+    /// layer.set_decode_path(false);
+    /// assert!(!layer.decode_path());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_decode_path(&mut self, on: bool) {
+        self.decode_path = on;
     }
 
     /// Whether the forward runs the fused gate_up (the rows of x gathered inside the

@@ -4,7 +4,7 @@
 use super::plan::{DH, DX_PERM, DY_PERM, D_H_PRE, H, H_PRE, X_PERM, Y_E};
 use super::workspace::SlotViews;
 use super::{LastForward, Mode, MoeLayer, MoeWorkspace, Routing, RoutingState, Saved, Weights};
-use crate::gpu::{check_buffer, check_len, Gradients};
+use crate::gpu::{check_buffer, check_len, decode_applies, DecodeSaved, Gradients};
 use crate::{model::check_routing, MoeError, RouterKind};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
@@ -47,6 +47,9 @@ impl MoeLayer {
         // Whatever happens below, the state of an earlier forward is gone.
         self.last = None;
         self.check_forward(weights, x, tokens, &routing, &*y, workspace)?;
+        if self.decode_path && decode_applies(self.plan.config(), tokens) {
+            return self.forward_decode(weights, x, tokens, routing, y, workspace);
+        }
         let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
         let (cx, g, lens) = (cx!(self), &self.gemms, self.plan.forward_slots());
         let RoutingState {
@@ -98,6 +101,60 @@ impl MoeLayer {
         let (row_of, errors, y_e) = (&perm.row_of, &mut perm.errors, acts.get(Y_E));
         let combine = cx.combine(t, row_of, Some(r.weights), &y_e, y, errors, false);
         p.stage(s, "combine", combine)?;
+        let (routed, in_place) = (r.routed, r.in_place);
+        self.last = Some(LastForward {
+            tokens: t,
+            routed,
+            in_place,
+        });
+        Ok(())
+    }
+
+    /// The forward of few tokens (see [`MoeLayer::decode_path`]): route, then (Training)
+    /// the permutation with the gather of `x_perm`, then the two decode kernels, which in
+    /// Training also write the `h_pre`, `h` and `y_e` rows the backward reads. The slot-major
+    /// `h` they pass between them lives in the workspace.
+    fn forward_decode(
+        &mut self,
+        w: &Weights<'_>,
+        x: &dyn DevicePtr<bf16>,
+        t: usize,
+        routing: Routing<'_>,
+        y: &mut dyn DevicePtrMut<bf16>,
+        workspace: &mut MoeWorkspace,
+    ) -> Result<(), MoeError> {
+        let (cx, lens) = (cx!(self), self.plan.forward_slots());
+        let keep = self.mode == Mode::Training;
+        let RoutingState {
+            ids,
+            weights: wts,
+            perm,
+        } = &mut self.routing;
+        let (mut acts, logits) = match &mut self.saved {
+            Some(Saved { logits, acts }) => (Some(acts.each_mut()), logits.as_mut()),
+            None => (None, None),
+        };
+        let mut scratch = workspace.slots(lens);
+        let mut h = scratch.get_mut(H);
+        let (p, s) = (&mut self.profile, cx.stream);
+        p.begin(s)?;
+        let r = p.stage(s, "route", cx.route(t, routing, w, ids, wts, logits, keep))?;
+        let saved = match &mut acts {
+            Some([x_perm, h_pre, h_saved, y_e]) => {
+                let permute = cx.permute(t, r.ids, x, perm, Some(&mut **x_perm));
+                p.stage(s, "permute+gather", permute)?;
+                Some(DecodeSaved {
+                    row_of: &perm.row_of,
+                    h_pre: &mut **h_pre,
+                    h: &mut **h_saved,
+                    y_e: &mut **y_e,
+                })
+            }
+            None => None,
+        };
+        let errors = &mut perm.errors;
+        let decode = cx.decode(t, x, w, r.ids, r.weights, &mut h, y, saved, errors);
+        p.stage(s, "decode (gate_up+down)", decode)?;
         let (routed, in_place) = (r.routed, r.in_place);
         self.last = Some(LastForward {
             tokens: t,

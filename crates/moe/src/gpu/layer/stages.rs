@@ -6,6 +6,7 @@
 
 use super::{MoePlan, Routing, Weights};
 use crate::gpu::activation::{activation_backward_with, activation_forward_with};
+use crate::gpu::decode::{decode_forward_with, DecodeInputs, DecodeSaved};
 use crate::gpu::fused::{gate_up_fused_with, GateUpInputs};
 use crate::gpu::permute::{combine_backward_impl, combine_impl, permute_with};
 use crate::gpu::router::{route_backward_with, route_with};
@@ -159,6 +160,33 @@ impl Cx<'_> {
             h_pre,
             errors,
         )
+    }
+
+    /// The decode kernels: `y` from `x` and the routing, `h` their slot-major scratch, the
+    /// expert-major copies into `saved` (Training).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn decode(
+        &self,
+        t: usize,
+        x: &dyn DevicePtr<bf16>,
+        w: &Weights<'_>,
+        ids: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        h: &mut dyn DevicePtrMut<bf16>,
+        y: &mut dyn DevicePtrMut<bf16>,
+        saved: Option<DecodeSaved<'_>>,
+        errors: &mut DeviceErrors,
+    ) -> Result<(), MoeError> {
+        let inputs = DecodeInputs {
+            tokens: t,
+            topk_ids: ids,
+            topk_weights: weights,
+            x,
+            gate_up: &w.gate_up,
+            down: &w.down,
+        };
+        let (k, c, s) = (self.kernels(), self.plan.config(), self.stream);
+        decode_forward_with(k, c, s, inputs, h, y, saved, errors)
     }
 
     /// One grouped GEMM over the expert-major rows `offsets` delimits.

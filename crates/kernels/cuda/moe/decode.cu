@@ -1,0 +1,352 @@
+// The small-batch (decode) forward of moe_abi.h (moefuse_moe_decode_forward): two persistent
+// kernels that stream every touched expert's weights from memory once, with the few token
+// rows as the narrow side of tensor-core MMAs (mma.sync m16n8k16, weights as the 16-row A
+// operand, up to 32 routed rows per pass as four 8-column B operands).
+//
+// Both kernels first build the same routing table in shared memory (decode_routing.cuh):
+// the touched experts in ascending order and each one's slots in ascending order.
+//
+// gate_up kernel (4 warps per block), one unit = (touched expert, 16 rows of W_e):
+//   warp   | work
+//   -------+-----------------------------------------------------------------------
+//   0..3   | a quarter of hidden (K) each: A rows straight from global memory into
+//          | registers (16 bytes per lane per row), B = the x rows of the expert's slots
+//   all    | fixed-order sum of the four partials in shared memory, the activation on
+//          | the fp32 sums, h (and the expert-major copies) written as bf16
+// down kernel (8 warps per block), one unit = 16 columns of y (16 rows of every D_e):
+//   warp   | work
+//   -------+-----------------------------------------------------------------------
+//   each   | (touched expert, K split) items round-robin: y_e partials per slot
+//   all    | fixed-order sum of the splits (bf16 y_e), then y[t] = sum_j w * y_e in
+//          | slot order (fp32), written as bf16
+//
+// NOTES: no shared-memory staging for A: each weight element is used by the 8 to 64 columns
+// of one MMA group and never again, so registers are the stage. The K order inside an MMA
+// is a permutation both operands follow (lane t's 16-byte load covers logical k 2t, 2t+1,
+// 2t+8, 2t+9 of one MMA and the same four of the next), so a lane's load is one 16-byte
+// vector of A and one of B.
+#include <cuda_bf16.h>
+
+#include <atomic>
+
+#include "moefuse/moe/activation_math.cuh"
+#include "moefuse/moe/common.cuh"
+#include "moefuse/moe/decode_mma.cuh"
+#include "moefuse/moe_abi.h"
+
+// The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
+static_assert(sizeof(moefuse_decode_args) == 136, "moefuse_decode_args layout changed: update ffi.rs");
+static_assert(offsetof(moefuse_decode_args, alpha) == 32, "moefuse_decode_args layout changed");
+static_assert(offsetof(moefuse_decode_args, topk_ids) == 40, "moefuse_decode_args layout changed");
+static_assert(offsetof(moefuse_decode_args, errors) == 128, "moefuse_decode_args layout changed");
+
+namespace moefuse::moe {
+namespace {
+
+using decode::kChunk;
+using decode::kMaxGroupBlocks;
+using decode::Routing;
+
+constexpr int kGateUpWarps = 4;
+constexpr int kDownWarps = 8;
+// y_e partials of the down kernel: at most this many floats of dynamic shared memory.
+constexpr int kPartFloats = 24576;
+
+__device__ __forceinline__ uint16_t bf16_bits(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// ---- gate_up ----------------------------------------------------------------------------
+
+struct GateUpShared {
+  Routing routing;
+  float partial[kGateUpWarps][kMaxGroupBlocks][32][4];
+};
+
+// The two rows of W_e a lane's fragments hold for tile `tile`: (row g, row g + 8) of the
+// A tile, i.e. the gate and up rows of feature f0 + g when gated, features f0 + g and
+// f0 + g + 8 for RELU2.
+__device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile, int g, int& lo, int& hi) {
+  if (a.activation == MOEFUSE_ACTIVATION_RELU2) {
+    lo = tile * 16 + g;
+    hi = lo + 8;
+  } else if (a.layout == MOEFUSE_GATE_UP_SPLIT) {
+    lo = tile * 8 + g;
+    hi = a.intermediate + lo;
+  } else {
+    lo = 2 * (tile * 8 + g);
+    hi = lo + 1;
+  }
+}
+
+// One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
+// MMAs into shared partials.
+template <int NB>
+__device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
+                                const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+  uint32_t b_off[NB];  // tokens * hidden < 2^26
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int col = nb * 8 + g;
+    b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
+  }
+  float acc[NB][4];
+  decode::mma_rows<NB>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sm.partial[warp][nb][lane][i] = acc[nb][i];
+  }
+}
+
+__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
+                              int blocks) {
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int width = gated ? 2 * a.intermediate : a.intermediate;
+  for (int i = threadIdx.x; i < blocks * 32; i += blockDim.x) {
+    const int nb = i >> 5, lane = i & 31, g = lane >> 2, t = lane & 3;
+    float c[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kGateUpWarps; ++w) v += sm.partial[w][nb][lane][r];
+      c[r] = v;
+    }
+    int lo, hi;
+    tile_rows(a, tile, g, lo, hi);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = nb * 8 + 2 * t + half;
+      if (col >= n) continue;
+      const int s = slots[col];
+      const float v_lo = c[half], v_hi = c[2 + half];
+      int row = -1;
+      if (a.row_of != nullptr) {
+        row = a.row_of[s];
+        if (row < 0 || row >= a.tokens * a.top_k) row = -1;
+      }
+      if (gated) {
+        const int f = tile * 8 + g;
+        const Point p = eval(a.activation, a.alpha, a.limit, v_lo, v_hi);
+        const uint16_t h = bf16_bits(p.h);
+        a.h[size_t(s) * a.intermediate + f] = h;
+        if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + f] = h;
+      } else {
+        const int f = tile * 16 + g;
+        const uint16_t h_lo = bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h);
+        const uint16_t h_hi = bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h);
+        a.h[size_t(s) * a.intermediate + f] = h_lo;
+        a.h[size_t(s) * a.intermediate + f + 8] = h_hi;
+        if (row >= 0 && a.h_rows != nullptr) {
+          a.h_rows[size_t(row) * a.intermediate + f] = h_lo;
+          a.h_rows[size_t(row) * a.intermediate + f + 8] = h_hi;
+        }
+      }
+      if (row >= 0 && a.h_pre_rows != nullptr) {
+        a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
+        a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kGateUpWarps * 32, 4) decode_gate_up_kernel(moefuse_decode_args a) {
+  __shared__ GateUpShared sm;
+  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int width = gated ? 2 * a.intermediate : a.intermediate;
+  const int tiles = width / 16;
+  const int units = sm.routing.touched * tiles;
+  const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int ti = u / tiles, tile = u - ti * tiles, e = sm.routing.expert[ti];
+    int lo, hi;
+    tile_rows(a, tile, g, lo, hi);
+    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
+    const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
+    const int first = sm.routing.start[ti], count = sm.routing.start[ti + 1] - first;
+    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
+      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
+      const int* slots = sm.routing.slot + first + base;
+      __syncthreads();  // the previous group's partials are read
+      if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else if (blocks == 2) gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<4>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      __syncthreads();
+      gate_up_store(a, sm, slots, n, tile, blocks);
+    }
+  }
+}
+
+// ---- down + combine ---------------------------------------------------------------------
+
+struct DownShared {
+  Routing routing;
+};
+
+template <int NB>
+__device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
+                             const uint16_t* w_hi, int c0, int c1, float* part) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint32_t b_off[NB];  // tokens * top_k * intermediate < 2^30
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int col = nb * 8 + g;
+    b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
+  }
+  float acc[NB][4];
+  decode::mma_rows<NB>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
+  // part[p][r]: slot p of this expert's list, y column r of the tile.
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = nb * 8 + 2 * t + half;
+      if (col < n) {
+        part[col * 16 + g] = acc[nb][half];
+        part[col * 16 + g + 8] = acc[nb][2 + half];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse_decode_args a, int split_cap) {
+  __shared__ DownShared sm;
+  extern __shared__ float part[];  // [splits][valid slots][16]
+  Routing& rt = sm.routing;
+  rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
+  const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
+  // K splits per expert so that every warp has work when few experts are touched.
+  int splits = (kDownWarps + rt.touched - 1) / max(rt.touched, 1);
+  splits = max(1, min(splits, min(split_cap, chunks)));
+  const int items = rt.touched * splits, tiles = a.hidden / 16;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int slots_total = a.tokens * a.top_k;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int d0 = tile * 16;
+    for (int item = warp; item < items; item += kDownWarps) {
+      const int ti = item / splits, sp = item - ti * splits, e = rt.expert[ti];
+      const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
+      const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
+      const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
+      const int first = rt.start[ti], count = rt.start[ti + 1] - first;
+      for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
+        const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
+        const int* slots = rt.slot + first + base;
+        float* p = part + (size_t(sp) * valid + first + base) * 16;
+        if (blocks == 1) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+        else if (blocks == 2) down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
+        else down_partial<4>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      }
+    }
+    __syncthreads();
+    // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
+    for (int i = threadIdx.x; i < valid * 16; i += blockDim.x) {
+      float v = 0.f;
+      for (int sp = 0; sp < splits; ++sp) v += part[size_t(sp) * valid * 16 + i];
+      const __nv_bfloat16 b = __float2bfloat16_rn(v);
+      part[i] = __bfloat162float(b);
+      if (a.row_of != nullptr && a.y_e_rows != nullptr) {
+        const int row = a.row_of[rt.slot[i >> 4]];
+        if (row >= 0 && row < slots_total) a.y_e_rows[size_t(row) * a.hidden + d0 + (i & 15)] = __bfloat16_as_ushort(b);
+      }
+    }
+    __syncthreads();
+    // y[t, d0 + r] = sum over the token's slots in order of w * y_e (fp32).
+    for (int i = threadIdx.x; i < a.tokens * 16; i += blockDim.x) {
+      const int t = i >> 4, r = i & 15;
+      float acc = 0.f;
+      for (int j = 0; j < a.top_k; ++j) {
+        const int s = t * a.top_k + j, p = rt.position[s];
+        if (p >= 0) acc += a.topk_weights[s] * part[p * 16 + r];
+      }
+      a.y[size_t(t) * a.hidden + d0 + r] = bf16_bits(acc);
+    }
+    __syncthreads();  // part is rewritten by the next tile
+  }
+}
+
+// ---- host -------------------------------------------------------------------------------
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
+// device; the down kernel's dynamic shared memory limit is raised on the same first call.
+struct Grids {
+  int gate_up, down;
+};
+
+Grids resident_grids() {
+  static std::atomic<int> cache[64][2];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132};
+  int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
+  if (up > 0 && down > 0) return {up, down};
+  int sms = 0, up_per_sm = 0, down_per_sm = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       int(kPartFloats * sizeof(float)));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
+                                                kPartFloats * sizeof(float));
+  up = max(1, sms) * max(1, up_per_sm);
+  down = max(1, sms) * max(1, down_per_sm);
+  cache[dev][0].store(up, std::memory_order_release);
+  cache[dev][1].store(down, std::memory_order_release);
+  return {up, down};
+}
+
+moefuse_status check(const moefuse_decode_args* a, const char* name) {
+  if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
+  if (a->activation < MOEFUSE_ACTIVATION_SWIGLU || a->activation > MOEFUSE_ACTIVATION_RELU2 ||
+      (a->layout != MOEFUSE_GATE_UP_SPLIT && a->layout != MOEFUSE_GATE_UP_INTERLEAVED) || a->reserved != 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: activation %d, layout %d, reserved %d", name, a->activation,
+                a->layout, a->reserved);
+  }
+  if (a->tokens < 1 || a->tokens > MOEFUSE_DECODE_MAX_TOKENS || a->top_k < 1 || a->top_k > 16 ||
+      a->tokens * a->top_k > MOEFUSE_DECODE_MAX_SLOTS || a->experts < 1 || a->experts > decode::kMaxExperts) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tokens %d (1..%d), top_k %d, experts %d", name, a->tokens,
+                MOEFUSE_DECODE_MAX_TOKENS, a->top_k, a->experts);
+  }
+  if (a->hidden < kChunk || a->hidden % kChunk != 0 || a->intermediate < kChunk || a->intermediate % kChunk != 0 ||
+      a->hidden > (1 << 20) || a->intermediate > (1 << 20)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: hidden %d and intermediate %d must be multiples of %d", name,
+                a->hidden, a->intermediate, kChunk);
+  }
+  if (a->topk_ids == nullptr || a->topk_weights == nullptr || a->x == nullptr || a->w_gate_up == nullptr ||
+      a->w_down == nullptr || a->h == nullptr || a->y == nullptr) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a required pointer is null", name);
+  }
+  const void* rows[] = {a->x, a->w_gate_up, a->w_down, a->h, a->y, a->h_pre_rows, a->h_rows, a->y_e_rows};
+  for (const void* p : rows) {
+    if (!aligned16(p)) return fail(MOEFUSE_STATUS_MISALIGNED, "%s: a bf16 matrix is not 16-byte aligned", name);
+  }
+  return MOEFUSE_STATUS_OK;
+}
+
+}  // namespace
+}  // namespace moefuse::moe
+
+using namespace moefuse::moe;
+
+extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* a, void* stream) {
+  const char* name = "moefuse_moe_decode_forward";
+  if (moefuse_status st = check(a, name); st != MOEFUSE_STATUS_OK) return st;
+  auto s = static_cast<cudaStream_t>(stream);
+  const Grids grids = resident_grids();
+  // At most min(experts, slots) experts are touched: no block beyond their units.
+  const int slots = a->tokens * a->top_k;
+  const int width = a->activation == MOEFUSE_ACTIVATION_RELU2 ? a->intermediate : 2 * a->intermediate;
+  const int max_units = min(a->experts, slots) * (width / 16);
+  decode_gate_up_kernel<<<min(grids.gate_up, max_units), kGateUpWarps * 32, 0, s>>>(*a);
+  if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
+  // The y_e partials: splits x slots x 16 floats (the splits only help when few experts
+  // are touched, i.e. few slots).
+  const int split_cap = max(1, min(kDownWarps, kPartFloats / (16 * slots)));
+  const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
+  decode_down_kernel<<<min(grids.down, a->hidden / 16), kDownWarps * 32, smem, s>>>(*a, split_cap);
+  return after_launch(name);
+}

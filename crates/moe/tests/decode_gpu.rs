@@ -1,0 +1,246 @@
+//! GPU tests of the decode path (`moefuse::gpu::decode_forward`, the layer's forward for
+//! `T ≤ 64`) against the CPU reference: every activation and gate/up layout, the softmax,
+//! raw-softmax and grouped-sigmoid routers and external routing (zero-token experts), top-1
+//! to top-16, 1 to 64 tokens, sizes that are not multiples of 128, an expert with more
+//! slots than one pass holds (several passes), few touched experts (the down kernel's K
+//! splits); the Training layer's backward on the rows the decode kernels saved; a graph
+//! replay with new routing equal to eager; ids outside `0..E` dropped and flagged; bad
+//! input refused before any launch. Outputs are poisoned before each run; relative error
+//! < 2e-2 (bf16 storage).
+
+#![forbid(unsafe_code)]
+
+mod layer_common;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use half::bf16;
+use layer_common::{bits, check_case, e, graph_replay_case, same_bits, Case, Route};
+use moefuse::gpu::{decode_applies, decode_forward, DecodeInputs, DeviceErrors};
+use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
+use moefuse_testkit::{GpuSuite, Rng, POISON_BF16};
+use std::sync::Arc;
+
+fn decode_cases() -> Vec<Case> {
+    let grouped = RouterKind::SigmoidGrouped {
+        n_group: 4,
+        topk_group: 2,
+        routed_scaling_factor: 2.5,
+        renormalize: true,
+    };
+    let c = |name, cfg, tokens, route| Case {
+        name,
+        cfg,
+        tokens,
+        route,
+    };
+    vec![
+        c(
+            "swiglu_t1_top8",
+            MoeConfig::new(256, 192, 32, 8),
+            1,
+            Route::Ours,
+        ),
+        c(
+            "swiglu_odd_sizes_t7",
+            MoeConfig::new(320, 448, 16, 4),
+            7,
+            Route::Ours,
+        ),
+        c(
+            "geglu_interleaved_external_zero_experts_t33",
+            MoeConfig::new(128, 192, 8, 2)
+                .with_activation(Activation::GeGlu)
+                .with_gate_up_layout(GateUpLayout::Interleaved)
+                .with_router(RouterKind::External),
+            33,
+            Route::ExternalLowerHalf,
+        ),
+        c(
+            "swiglu_oai_interleaved_raw_softmax_t64",
+            MoeConfig::new(192, 128, 16, 4)
+                .with_activation(Activation::swiglu_oai())
+                .with_gate_up_layout(GateUpLayout::Interleaved)
+                .with_router(RouterKind::SoftmaxTopK { renormalize: false }),
+            64,
+            Route::Ours,
+        ),
+        c(
+            "bounded_swiglu_grouped_sigmoid_t17",
+            MoeConfig::new(192, 128, 16, 4)
+                .with_activation(Activation::BoundedSwiGlu { limit: 3.0 })
+                .with_router(grouped),
+            17,
+            Route::Ours,
+        ),
+        // ~8 rows per expert, up to ~20: several 8-column blocks in one pass.
+        c(
+            "relu2_top1_t64",
+            MoeConfig::new(128, 128, 8, 1).with_activation(Activation::Relu2),
+            64,
+            Route::Ours,
+        ),
+        // Every expert gets all 64 tokens: two passes of 32 rows per expert.
+        c(
+            "swiglu_top16_every_expert_t64",
+            MoeConfig::new(64, 64, 16, 16),
+            64,
+            Route::Ours,
+        ),
+        // Two of eight experts touched, long K: the down kernel splits K across warps.
+        c(
+            "swiglu_few_experts_t1",
+            MoeConfig::new(256, 1024, 8, 2),
+            1,
+            Route::Ours,
+        ),
+        c(
+            "swiglu_all_on_one_expert_t3",
+            MoeConfig::new(128, 256, 2, 1).with_router(RouterKind::External),
+            3,
+            Route::ExternalLowerHalf,
+        ),
+    ]
+}
+
+/// Forward, backward and accumulation of every case on the decode path.
+fn decode_layer_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    let seed = Rng::fresh_seed();
+    for (n, case) in decode_cases().iter().enumerate() {
+        if !decode_applies(&case.cfg, case.tokens) {
+            return Err(format!("{}: not a decode case", case.name));
+        }
+        check_case(&stream, case, seed.wrapping_add(n as u64), true)?;
+        println!("{} ok", case.name);
+    }
+    Ok(())
+}
+
+/// Forward + backward captured on the decode path, replayed with new inputs, routing and
+/// weights: equal to eager bit for bit.
+fn decode_graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    graph_replay_case(ctx, &decode_cases()[1], true)
+}
+
+/// `decode_forward` of a config and inputs, into a poisoned `y`: `(y bits, errors)`.
+fn run_free(
+    stream: &Arc<CudaStream>,
+    cfg: &MoeConfig,
+    t: usize,
+    ids: &[i32],
+    weights: &[f32],
+    seed: u64,
+) -> Result<(Vec<u16>, Result<(), MoeError>), String> {
+    let (d, i, ex, k) = (cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k);
+    let mut rng = Rng::new(seed);
+    // At least one element per buffer (cudarc allocates no empty buffer), so that a bad
+    // token count reaches the layer's check.
+    let n = |len: usize| len.max(1);
+    let x = stream.clone_htod(&rng.bf16_vec(n(t * d))).map_err(e)?;
+    let gate_up = stream
+        .clone_htod(&rng.bf16_vec(ex * cfg.gate_up_width() * d))
+        .map_err(e)?;
+    let down = stream.clone_htod(&rng.bf16_vec(ex * d * i)).map_err(e)?;
+    let (ids_d, w_d) = (
+        stream.clone_htod(ids).map_err(e)?,
+        stream.clone_htod(weights).map_err(e)?,
+    );
+    let mut h = stream.alloc_zeros::<bf16>(n(t * k * i)).map_err(e)?;
+    let mut y = stream.clone_htod(&vec![POISON_BF16; n(t * d)]).map_err(e)?;
+    let mut errors = DeviceErrors::new(stream).map_err(e)?;
+    let inputs = DecodeInputs {
+        tokens: t,
+        topk_ids: &ids_d,
+        topk_weights: &w_d,
+        x: &x,
+        gate_up: &gate_up,
+        down: &down,
+    };
+    decode_forward(cfg, stream, inputs, &mut h, &mut y, None, &mut errors).map_err(e)?;
+    let y = bits(&stream.clone_dtoh(&y).map_err(e)?);
+    Ok((y, errors.take()))
+}
+
+/// An id outside `0..E` drops its slot (the other slots' sum is what a zero weight on a
+/// valid id gives, bit for bit) and raises the out-of-range bit.
+fn decode_drops_and_flags_bad_ids(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    let cfg = MoeConfig::new(128, 128, 8, 2);
+    let seed = Rng::fresh_seed();
+    let t = 3;
+    let bad = [1, 99, -1, 4, 2, 5];
+    let good = [1, 0, 0, 4, 2, 5];
+    let w = [0.7f32, 0.3, 0.4, 0.6, 0.5, 0.5];
+    let zeroed = [0.7f32, 0.0, 0.0, 0.6, 0.5, 0.5];
+    let (y_bad, err_bad) = run_free(&stream, &cfg, t, &bad, &w, seed)?;
+    let (y_good, err_good) = run_free(&stream, &cfg, t, &good, &zeroed, seed)?;
+    err_good.map_err(|x| format!("valid ids flagged: {x}"))?;
+    match err_bad {
+        Err(MoeError::InvalidDeviceRouting {
+            out_of_range: true, ..
+        }) => {}
+        other => return Err(format!("bad ids: {other:?}")),
+    }
+    same_bits(
+        &format!("y with dropped slots (seed {seed})"),
+        &y_bad,
+        &y_good,
+    )
+}
+
+/// Sizes, token counts and buffers the kernels cannot take are typed errors before any
+/// launch (the poisoned output stays untouched).
+fn decode_rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    let cfg = MoeConfig::new(128, 128, 8, 2);
+    let ids: Vec<i32> = (0..130).map(|i| i % 8).collect();
+    let w = vec![0.5f32; 130];
+    for (what, t) in [("65 tokens", 65usize), ("0 tokens", 0)] {
+        match run_free(&stream, &cfg, t, &ids, &w, 1) {
+            Err(msg) if msg.contains("tokens") => {}
+            other => return Err(format!("{what}: {other:?}")),
+        }
+    }
+    // h one row short.
+    let (d, i) = (cfg.hidden, cfg.intermediate);
+    let x = stream.alloc_zeros::<bf16>(2 * d).map_err(e)?;
+    let gate_up = stream.alloc_zeros::<bf16>(8 * 2 * i * d).map_err(e)?;
+    let down = stream.alloc_zeros::<bf16>(8 * d * i).map_err(e)?;
+    let ids_d = stream.clone_htod(&ids[..4]).map_err(e)?;
+    let w_d = stream.clone_htod(&w[..4]).map_err(e)?;
+    let mut h = stream.alloc_zeros::<bf16>(3 * i).map_err(e)?;
+    let mut y = stream.clone_htod(&vec![POISON_BF16; 2 * d]).map_err(e)?;
+    let mut errors = DeviceErrors::new(&stream).map_err(e)?;
+    let inputs = DecodeInputs {
+        tokens: 2,
+        topk_ids: &ids_d,
+        topk_weights: &w_d,
+        x: &x,
+        gate_up: &gate_up,
+        down: &down,
+    };
+    match decode_forward(&cfg, &stream, inputs, &mut h, &mut y, None, &mut errors) {
+        Err(MoeError::Kernel(_)) => {}
+        other => return Err(format!("short h: {other:?}")),
+    }
+    let y = stream.clone_dtoh(&y).map_err(e)?;
+    if bits(&y).iter().any(|&b| b != POISON_BF16.to_bits()) {
+        return Err("a refused call wrote y".into());
+    }
+    Ok(())
+}
+
+fn main() {
+    GpuSuite::new()
+        .test(
+            "decode_layer_matches_reference",
+            decode_layer_matches_reference,
+        )
+        .test("decode_graph_replay", decode_graph_replay)
+        .test(
+            "decode_drops_and_flags_bad_ids",
+            decode_drops_and_flags_bad_ids,
+        )
+        .test("decode_rejects_bad_input", decode_rejects_bad_input)
+        .run();
+}
