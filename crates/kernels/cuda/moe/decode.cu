@@ -49,8 +49,9 @@ using decode::Routing;
 
 constexpr int kGateUpWarps = 4;
 constexpr int kDownWarps = 8;
-// y_e partials of the down kernel: at most this many floats of dynamic shared memory.
-constexpr int kPartFloats = 24576;
+// y_e partials of the down kernel: at most this many floats of dynamic shared memory
+// (80 KiB: two blocks with their 18 KiB routing tables fit an SM's 227 KiB).
+constexpr int kPartFloats = 20480;
 
 __device__ __forceinline__ uint16_t bf16_bits(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
