@@ -337,6 +337,8 @@ fn bench_case(
     let grouped_path = if decode_applies(&cfg, t) {
         infer.set_decode_path(false);
         let timed = time_forward(infer, work, &mut y).and_then(|eager| {
+            // The timed calls rotated x: check the first input's output.
+            infer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
             let got: Vec<f32> = stream.clone_dtoh(&y)?[..n * d]
                 .iter()
                 .map(|v| v.to_f32())

@@ -1,19 +1,19 @@
 // The small-batch (decode) forward of moe_abi.h (moefuse_moe_decode_forward): two persistent
 // kernels that stream every touched expert's weights from memory once, with the few token
 // rows as the narrow side of tensor-core MMAs (mma.sync m16n8k16, weights as the 16-row A
-// operand, up to 32 routed rows per pass as four 8-column B operands).
+// operand, up to 16 routed rows per pass as two 8-column B operands).
 //
 // Both kernels first build the same routing table in shared memory (decode_routing.cuh):
 // the touched experts in ascending order and each one's slots in ascending order.
 //
-// gate_up kernel (4 warps per block), one unit = (touched expert, 16 rows of W_e):
+// gate_up kernel (8 warps per block), one unit = (touched expert, 16 rows of W_e):
 //   warp   | work
 //   -------+-----------------------------------------------------------------------
-//   0..3   | a quarter of hidden (K) each: A rows straight from global memory into
+//   0..7   | an eighth of hidden (K) each: A rows straight from global memory into
 //          | registers (16 bytes per lane per row), B = the x rows of the expert's slots
-//   all    | fixed-order sum of the four partials in shared memory, the activation on
+//   all    | fixed-order sum of the eight partials in shared memory, the activation on
 //          | the fp32 sums, h (and the expert-major copies) written as bf16
-// down kernel (8 warps per block), one unit = 16 columns of y (16 rows of every D_e):
+// down kernel (16 warps per block), one unit = 16 columns of y (16 rows of every D_e):
 //   warp   | work
 //   -------+-----------------------------------------------------------------------
 //   each   | (touched expert, K split) items round-robin: y_e partials per slot
@@ -47,10 +47,10 @@ using decode::kChunk;
 using decode::kMaxGroupBlocks;
 using decode::Routing;
 
-constexpr int kGateUpWarps = 4;
-constexpr int kDownWarps = 8;
+constexpr int kGateUpWarps = 8;
+constexpr int kDownWarps = 16;
 // y_e partials of the down kernel: at most this many floats of dynamic shared memory
-// (80 KiB: two blocks with their 18 KiB routing tables fit an SM's 227 KiB).
+// (80 KiB; one block per SM).
 constexpr int kPartFloats = 20480;
 
 __device__ __forceinline__ uint16_t bf16_bits(float v) {
@@ -93,7 +93,9 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, 
     b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
   }
   float acc[NB][4];
-  decode::mma_rows<NB>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
+  // Two blocks of 8 warps per SM (128 registers): 8 chunks per lane in flight with one
+  // column block.
+  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
@@ -153,8 +155,9 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
   }
 }
 
-__global__ void __launch_bounds__(kGateUpWarps * 32, 4) decode_gate_up_kernel(moefuse_decode_args a) {
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
   __shared__ GateUpShared sm;
+  decode::allow_dependent_launch();
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
@@ -174,8 +177,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 4) decode_gate_up_kernel(mo
       const int* slots = sm.routing.slot + first + base;
       __syncthreads();  // the previous group's partials are read
       if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      else if (blocks == 2) gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      else gate_up_partial<4>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
       gate_up_store(a, sm, slots, n, tile, blocks);
     }
@@ -188,6 +190,22 @@ struct DownShared {
   Routing routing;
 };
 
+// Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
+// up to kPrefetchBytes per block (all blocks together stay well inside L2).
+constexpr int kPrefetchBytes = 192 * 1024;
+
+__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0) {
+  const int lines_per_row = a.intermediate * 2 / 128;
+  const int per_expert = 16 * lines_per_row;
+  const int total = min(rt.touched * per_expert, kPrefetchBytes / 128);
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int ti = i / per_expert, rest = i - ti * per_expert, row = rest / lines_per_row;
+    const int line = rest - row * lines_per_row;
+    const uint16_t* p = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0 + row) * a.intermediate + line * 64;
+    decode::prefetch_l2(p);
+  }
+}
+
 template <int NB>
 __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
                              const uint16_t* w_hi, int c0, int c1, float* part) {
@@ -199,7 +217,8 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
     b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
   }
   float acc[NB][4];
-  decode::mma_rows<NB>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
+  // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
+  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -214,11 +233,15 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
 }
 
-__global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse_decode_args a, int split_cap) {
+__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
   extern __shared__ float part[];  // [splits][valid slots][16]
   Routing& rt = sm.routing;
   rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
+  // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
+  // it warms L2 with its first tile's weights, then waits for h.
+  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
+  decode::wait_for_prerequisite();
   const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
   // K splits per expert so that every warp has work when few experts are touched.
   int splits = (kDownWarps + rt.touched - 1) / max(rt.touched, 1);
@@ -239,8 +262,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse
         const int* slots = rt.slot + first + base;
         float* p = part + (size_t(sp) * valid + first + base) * 16;
         if (blocks == 1) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
-        else if (blocks == 2) down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
-        else down_partial<4>(a, slots, n, w_lo, w_hi, c0, c1, p);
+        else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
       }
     }
     __syncthreads();
@@ -344,10 +366,25 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   const int max_units = min(a->experts, slots) * (width / 16);
   decode_gate_up_kernel<<<min(grids.gate_up, max_units), kGateUpWarps * 32, 0, s>>>(*a);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
-  // The y_e partials: splits x slots x 16 floats (the splits only help when few experts
-  // are touched, i.e. few slots).
-  const int split_cap = max(1, min(kDownWarps, kPartFloats / (16 * slots)));
+  // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
+  // few experts are touched; a token names top_k distinct experts, so at least top_k are
+  // touched (a duplicate id can only lower the splits the kernel takes: it clamps).
+  const int split_cap =
+      max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kPartFloats / (16 * slots)));
   const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
-  decode_down_kernel<<<min(grids.down, a->hidden / 16), kDownWarps * 32, smem, s>>>(*a, split_cap);
+  // Programmatic dependent launch: the down kernel's blocks may start (routing table, L2
+  // prefetch of their weights) while the gate_up kernel's last blocks run; they wait for
+  // its completion (griddepcontrol.wait) before reading h. Kept by stream capture.
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(min(grids.down, a->hidden / 16));
+  launch.blockDim = dim3(kDownWarps * 32);
+  launch.dynamicSmemBytes = smem;
+  launch.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  launch.attrs = attr;
+  launch.numAttrs = 1;
+  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }

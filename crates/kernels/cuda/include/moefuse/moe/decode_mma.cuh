@@ -12,9 +12,11 @@ namespace moefuse::moe::decode {
 
 // K elements one MMA pair consumes per lane group: 4 lanes x 8 bf16 (one 16-byte load each).
 constexpr int kChunk = 32;
-// 8-column MMA blocks one pass holds in registers (32 routed rows; an expert with more
-// slots takes several passes, the later ones reading its weights from L2).
-constexpr int kMaxGroupBlocks = 4;
+// 8-column MMA blocks one pass holds in registers (16 routed rows; an expert with more
+// slots takes several passes, the later ones reading its weights from L2). Measured: with
+// 4 blocks the B registers left room for 2 chunks of A in flight per lane, too few bytes
+// in flight to stream at full bandwidth (Mixtral-8x7B T=64: 3.3 TB/s).
+constexpr int kMaxGroupBlocks = 2;
 constexpr int kMaxExperts = 512;
 constexpr int kMaxSlots = MOEFUSE_DECODE_MAX_SLOTS;
 
@@ -99,6 +101,25 @@ struct Routing {
   }
 };
 
+// Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
+// first lets the next kernel on the stream start early, the second waits until this
+// kernel's prerequisite grid has completed and its writes are visible.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // 16 bytes of a weight row, read once: not kept in L1.
 __device__ __forceinline__ uint4 load_stream(const uint16_t* p) {
   uint4 v;
@@ -126,13 +147,12 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
 }
 
 // acc[nb] = A[16, K range] · B[nb]ᵀ for K chunks [c0, c1): A rows a_lo (row g) and a_hi
-// (row g + 8) of this lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element
+// (row g + 8) of this lane, U chunks of A in flight per lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element
 // offsets keep eight of them in eight registers). C fragment: acc[nb][0..1] =
 // (row g, columns 2t, 2t+1), acc[nb][2..3] = (row g + 8, same columns).
-template <int NB>
+template <int NB, int U>
 __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
                                          const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
-  constexpr int U = NB == 1 ? 8 : (NB == 2 ? 4 : 2);  // chunks in flight per lane
   const int k8 = (threadIdx.x & 3) * 8;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
