@@ -16,7 +16,8 @@
 // down kernel (16 warps per block), one unit = 16 columns of y (16 rows of every D_e):
 //   warp   | work
 //   -------+-----------------------------------------------------------------------
-//   each   | (touched expert, K split) items round-robin: y_e partials per slot
+//   each   | (16-slot group of a touched expert, K split) items round-robin: y_e
+//          | partials per slot
 //   all    | fixed-order sum of the splits (bf16 y_e), then y[t] = sum_j w * y_e in
 //          | slot order (fp32), written as bf16
 //
@@ -188,6 +189,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
 
 struct DownShared {
   Routing routing;
+  decode::Groups groups;
 };
 
 // Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
@@ -238,32 +240,36 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   extern __shared__ float part[];  // [splits][valid slots][16]
   Routing& rt = sm.routing;
   rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
+  // Work items: (group of at most 16 slots of one expert, K split). The groups of one
+  // expert sit next to each other in the item order, so different warps stream the same
+  // weights at the same time and the second read meets the first in L2.
+  decode::Groups& gr = sm.groups;
+  gr.build(rt, 8 * kMaxGroupBlocks);
   // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
   // it warms L2 with its first tile's weights, then waits for h.
   if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
   decode::wait_for_prerequisite();
   const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
-  // K splits per expert so that every warp has work when few experts are touched.
-  int splits = (kDownWarps + rt.touched - 1) / max(rt.touched, 1);
+  // K splits so that every warp has work when there are few groups.
+  int splits = (kDownWarps + gr.count - 1) / max(gr.count, 1);
   splits = max(1, min(splits, min(split_cap, chunks)));
-  const int items = rt.touched * splits, tiles = a.hidden / 16;
+  const int items = gr.count * splits, tiles = a.hidden / 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int slots_total = a.tokens * a.top_k;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int d0 = tile * 16;
     for (int item = warp; item < items; item += kDownWarps) {
-      const int ti = item / splits, sp = item - ti * splits, e = rt.expert[ti];
+      const int gi = item / splits, sp = item - gi * splits;
+      const int ti = gr.touched[gi], e = rt.expert[ti];
       const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
       const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
       const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
-      const int first = rt.start[ti], count = rt.start[ti + 1] - first;
-      for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
-        const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
-        const int* slots = rt.slot + first + base;
-        float* p = part + (size_t(sp) * valid + first + base) * 16;
-        if (blocks == 1) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
-        else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
-      }
+      const int first = rt.start[ti] + gr.base[gi];
+      const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
+      const int* slots = rt.slot + first;
+      float* p = part + (size_t(sp) * valid + first) * 16;
+      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
     }
     __syncthreads();
     // y_e = bf16(sum of the splits in order), kept as float in the first split's place.

@@ -101,6 +101,41 @@ struct Routing {
   }
 };
 
+// The slots of each touched expert cut into groups of at most `rows` (one MMA pass each):
+// group i is rows [base[i], base[i] + rows) of expert entry touched[i] of the routing.
+struct Groups {
+  int count;
+  int touched[kMaxSlots];
+  int base[kMaxSlots];
+
+  // Warp 0 of the block fills it from a built routing table; ends with the block
+  // synchronised.
+  __device__ void build(const Routing& rt, int rows) {
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int per = (rt.touched + 31) / 32, t0 = min(lane * per, rt.touched), t1 = min(t0 + per, rt.touched);
+      int mine = 0;
+      for (int ti = t0; ti < t1; ++ti) mine += (rt.start[ti + 1] - rt.start[ti] + rows - 1) / rows;
+      int before = mine;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const int v = __shfl_up_sync(0xffffffffu, before, o);
+        if (lane >= o) before += v;
+      }
+      before -= mine;
+      for (int ti = t0; ti < t1; ++ti) {
+        for (int b = 0; b < rt.start[ti + 1] - rt.start[ti]; b += rows) {
+          touched[before] = ti;
+          base[before] = b;
+          ++before;
+        }
+      }
+      if (lane == 31) count = before;
+    }
+    __syncthreads();
+  }
+};
+
 // Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
 // first lets the next kernel on the stream start early, the second waits until this
 // kernel's prerequisite grid has completed and its writes are visible.
