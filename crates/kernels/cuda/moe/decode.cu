@@ -9,10 +9,9 @@
 // gate_up kernel (8 warps per block), one unit = (touched expert, 16 rows of W_e):
 //   warp   | work
 //   -------+-----------------------------------------------------------------------
-//   0..7   | one team per group of 16 slots (8 warps for one group, 4 for two...), each
-//          | warp a share of hidden (K): A rows straight from global memory into
-//          | registers (16 bytes per lane per row), B = the x rows of the group's slots
-//   all    | fixed-order sum of each team's partials in shared memory, the activation on
+//   0..7   | an eighth of hidden (K) each: A rows straight from global memory into
+//          | registers (16 bytes per lane per row), B = the x rows of the expert's slots
+//   all    | fixed-order sum of the eight partials in shared memory, the activation on
 //          | the fp32 sums, h (and the expert-major copies) written as bf16
 // down kernel (16 warps per block), one unit = 16 columns of y (16 rows of every D_e):
 //   warp   | work
@@ -105,23 +104,18 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, 
   }
 }
 
-// The sums of each team's partials (team j: warps j * team_size.., group j of the round,
-// slots[j * 16..]), activated and stored.
-__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* round_slots, int round_n,
-                              int tile, int groups, int team_size) {
+__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
+                              int blocks) {
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
-  for (int i = threadIdx.x; i < groups * kMaxGroupBlocks * 32; i += blockDim.x) {
-    const int team = i / (kMaxGroupBlocks * 32), nb = (i >> 5) % kMaxGroupBlocks, lane = i & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int n = min(round_n - team * 8 * kMaxGroupBlocks, 8 * kMaxGroupBlocks);
-    if (nb * 8 >= n) continue;
-    const int* slots = round_slots + team * 8 * kMaxGroupBlocks;
+  for (int i = threadIdx.x; i < blocks * 32; i += blockDim.x) {
+    const int nb = i >> 5, lane = i & 31, g = lane >> 2, t = lane & 3;
     float c[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       float v = 0.f;
-      for (int w = team * team_size; w < (team + 1) * team_size; ++w) v += sm.partial[w][nb][lane][r];
+#pragma unroll
+      for (int w = 0; w < kGateUpWarps; ++w) v += sm.partial[w][nb][lane][r];
       c[r] = v;
     }
     int lo, hi;
@@ -171,6 +165,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   const int tiles = width / 16;
   const int units = sm.routing.touched * tiles;
   const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     const int ti = u / tiles, tile = u - ti * tiles, e = sm.routing.expert[ti];
     int lo, hi;
@@ -178,25 +173,14 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
     const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
     const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
     const int first = sm.routing.start[ti], count = sm.routing.start[ti + 1] - first;
-    // The expert's slots in groups of 16, up to 8 groups per round: a team of warps per
-    // group, splitting K, all teams reading the same weight rows at the same time (one
-    // read from memory, the others from L2).
-    constexpr int kGroup = 8 * kMaxGroupBlocks;
-    for (int base = 0; base < count; base += kGroup * kGateUpWarps) {
-      const int round_n = min(count - base, kGroup * kGateUpWarps);
-      const int groups = (round_n + kGroup - 1) / kGroup, team_size = kGateUpWarps / groups;
-      const int team = warp / team_size, member = warp - team * team_size;
-      const int* round_slots = sm.routing.slot + first + base;
-      __syncthreads();  // the previous round's partials are read
-      if (team < groups) {
-        const int n = min(round_n - team * kGroup, kGroup);
-        const int c0 = chunks * member / team_size, c1 = chunks * (member + 1) / team_size;
-        const int* slots = round_slots + team * kGroup;
-        if (n <= 8) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-        else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      }
+    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
+      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
+      const int* slots = sm.routing.slot + first + base;
+      __syncthreads();  // the previous group's partials are read
+      if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
-      gate_up_store(a, sm, round_slots, round_n, tile, groups, team_size);
+      gate_up_store(a, sm, slots, n, tile, blocks);
     }
   }
 }
