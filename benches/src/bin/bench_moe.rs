@@ -20,7 +20,10 @@
 use clap::Parser;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use moefuse::gpu::{decode_applies, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
+use moefuse::gpu::{
+    decode_applies, decode_preferred, DecodePath, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing,
+    Weights,
+};
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
 use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
 use moefuse_testkit::{rel_err, time_stream, Rng, Stats};
@@ -333,9 +336,15 @@ fn bench_case(
         Ok::<Stats, Error>(us)
     };
     let graph_us = time_graph(infer, work, &mut y)?;
-    // Where the layer takes the decode path, the grouped-GEMM path it replaces, same run.
-    let grouped_path = if decode_applies(&cfg, t) {
-        infer.set_decode_path(false);
+    // Where the decode kernels can run, the path the layer did not pick, same run: the
+    // grouped GEMMs where it decodes, the decode kernels where it does not.
+    let other_path = if decode_applies(&cfg, t) {
+        let (other, name) = if decode_preferred(&cfg, t) {
+            (DecodePath::Never, "moefuse_grouped_path")
+        } else {
+            (DecodePath::Always, "moefuse_decode_path")
+        };
+        infer.set_decode_path(other);
         let timed = time_forward(infer, work, &mut y).and_then(|eager| {
             // The timed calls rotated x: check the first input's output.
             infer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -349,8 +358,8 @@ fn bench_case(
                 rel_err(&got, &want),
             ))
         });
-        infer.set_decode_path(true);
-        Some(timed?)
+        infer.set_decode_path(DecodePath::Auto);
+        Some((name, timed?))
     } else {
         None
     };
@@ -431,10 +440,10 @@ fn bench_case(
         r.rel_err = fused_err;
         out.push(r);
     }
-    if let Some((eager, graph, grouped_err)) = grouped_path {
+    if let Some((name, (eager, graph, other_err))) = other_path {
         for (phase, st) in [("fwd-infer", eager), ("fwd-infer-graph", graph)] {
-            let mut r = rec_as("moefuse_grouped_path", phase, st, fwd_flops);
-            r.rel_err = grouped_err;
+            let mut r = rec_as(name, phase, st, fwd_flops);
+            r.rel_err = other_err;
             out.push(r);
         }
     }

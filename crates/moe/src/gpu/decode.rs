@@ -2,8 +2,8 @@
 //! MLP after routing — gate_up, activation, down, weighted combine — runs as two kernels
 //! that stream each touched expert's weights from memory once (moe/decode.cu), instead of
 //! the permutation, two grouped GEMMs with 128-row tiles for a handful of rows, the
-//! activation and the combine. [`MoeLayer`](super::MoeLayer) takes this path by itself for
-//! `T ≤ DECODE_MAX_TOKENS` ([`MoeLayer::set_decode_path`](super::MoeLayer::set_decode_path)).
+//! activation and the combine. [`MoeLayer`](super::MoeLayer) takes this path by itself where
+//! [`decode_preferred`] holds ([`MoeLayer::set_decode_path`](super::MoeLayer::set_decode_path)).
 
 use super::{kernels_for, ActivationDesc, DeviceErrors};
 use crate::{MoeConfig, MoeError};
@@ -16,6 +16,27 @@ use std::sync::Arc;
 pub const DECODE_MAX_TOKENS: usize = mk::ffi::MOEFUSE_DECODE_MAX_TOKENS;
 /// The most routed (token, slot) pairs one decode forward takes.
 pub const DECODE_MAX_SLOTS: usize = mk::ffi::MOEFUSE_DECODE_MAX_SLOTS;
+
+/// Routed rows per expert (`T·k / E`) up to which [`MoeLayer`](super::MoeLayer) prefers the
+/// decode kernels to the grouped GEMMs. Measured on the H200 (docs/perf-notes.md): at 8
+/// (Mixtral-8x7B, T = 32) the two paths tie (732 against 751 µs), at 16 (T = 64) the
+/// grouped GEMMs win (738 against 1142 µs); at ≤ 4 (Qwen3-30B-A3B, DeepSeek-V3, every
+/// T ≤ 64) the decode kernels win or tie.
+pub const DECODE_MAX_ROWS_PER_EXPERT: usize = 8;
+
+/// Whether the layer takes the decode path for `tokens` tokens by itself: the kernels can
+/// run it ([`decode_applies`]) and the routing spreads at most
+/// [`DECODE_MAX_ROWS_PER_EXPERT`] rows per expert on average.
+///
+/// ```
+/// use moefuse::{gpu::decode_preferred, MoeConfig};
+/// assert!(decode_preferred(&MoeConfig::new(2048, 768, 128, 8), 64));
+/// let mixtral = MoeConfig::new(4096, 14336, 8, 2);
+/// assert!(decode_preferred(&mixtral, 32) && !decode_preferred(&mixtral, 64));
+/// ```
+pub fn decode_preferred(cfg: &MoeConfig, tokens: usize) -> bool {
+    decode_applies(cfg, tokens) && tokens * cfg.top_k <= DECODE_MAX_ROWS_PER_EXPERT * cfg.experts
+}
 
 /// Whether a config can run the decode kernels for `tokens` tokens: `1 ≤ tokens ≤ 64`,
 /// `tokens · top_k ≤ 1024`, `hidden` and `intermediate` multiples of 32 (every valid

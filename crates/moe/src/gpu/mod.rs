@@ -61,12 +61,14 @@ mod router;
 pub use activation::{activation_backward, activation_forward, ActivationDesc, Rows};
 pub use buffers::PermuteBuffers;
 pub use decode::{
-    decode_applies, decode_forward, DecodeInputs, DecodeSaved, DECODE_MAX_SLOTS, DECODE_MAX_TOKENS,
+    decode_applies, decode_forward, decode_preferred, DecodeInputs, DecodeSaved,
+    DECODE_MAX_ROWS_PER_EXPERT, DECODE_MAX_SLOTS, DECODE_MAX_TOKENS,
 };
 pub use errors::DeviceErrors;
 pub use fused::{gate_up_fused, gate_up_fused_supported, GateUpInputs};
 pub use layer::{
-    DeviceWeights, Gradients, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
+    DecodePath, DeviceWeights, Gradients, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace,
+    Routing, Weights,
 };
 pub use permute::{combine, combine_backward, permute};
 pub use router::{route, route_backward};

@@ -5,7 +5,7 @@
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
-use moefuse::gpu::{DeviceWeights, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing};
+use moefuse::gpu::{DecodePath, DeviceWeights, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing};
 use moefuse::model::MoeWeights;
 use moefuse::reference::RoutingInput;
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
@@ -221,8 +221,8 @@ pub const REL: f64 = 2e-2;
 
 /// One forward + backward of `case` on the GPU against the reference.
 ///
-/// With `decode`, the layer takes the decode path where it applies (`T <= 64`), else the
-/// grouped-GEMM path at every `T`.
+/// With `decode`, the layer takes the decode path wherever it can run (`T <= 64`,
+/// [`DecodePath::Always`]), else the grouped-GEMM path at every `T`.
 pub fn check_case(
     stream: &Arc<CudaStream>,
     case: &Case,
@@ -248,7 +248,11 @@ pub fn check_case(
         weights: dw,
         mut ws,
     } = build(stream, cfg, t + 17, &inp.w, Mode::Training)?;
-    layer.set_decode_path(decode);
+    layer.set_decode_path(if decode {
+        DecodePath::Always
+    } else {
+        DecodePath::Never
+    });
     let wv = dw.view();
     let x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
@@ -367,7 +371,11 @@ pub fn graph_replay_case(ctx: &Arc<CudaContext>, case: &Case, decode: bool) -> R
         weights: mut dw,
         mut ws,
     } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
-    layer.set_decode_path(decode);
+    layer.set_decode_path(if decode {
+        DecodePath::Always
+    } else {
+        DecodePath::Never
+    });
     let mut x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let mut l_d = stream.clone_htod(&inp.logits).map_err(e)?;
     let mut dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;

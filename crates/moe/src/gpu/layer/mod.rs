@@ -86,6 +86,22 @@ use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
 use profile::Profile;
 use std::sync::Arc;
 
+/// When a [`MoeLayer`] forward takes the decode path ([`MoeLayer::set_decode_path`]).
+///
+/// ```
+/// assert_ne!(moefuse::gpu::DecodePath::Auto, moefuse::gpu::DecodePath::Never);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodePath {
+    /// Where [`decode_preferred`](crate::gpu::decode_preferred) holds (measured faster).
+    #[default]
+    Auto,
+    /// Wherever the decode kernels can run ([`decode_applies`](crate::gpu::decode_applies)).
+    Always,
+    /// Never: the grouped-GEMM path for every `T`.
+    Never,
+}
+
 /// How a forward call is routed.
 pub enum Routing<'a> {
     /// Router logits `[T, E]` fp32; the layer's router (the config's kind) picks experts.
@@ -252,8 +268,8 @@ pub struct MoeLayer {
     profile: Profile,
     /// The forward's gate_up runs fused (gather + GEMM + activation, sm_90a).
     fused_gate_up: bool,
-    /// Forwards of `T ≤ DECODE_MAX_TOKENS` run the decode kernels.
-    decode_path: bool,
+    /// When forwards run the decode kernels.
+    decode_path: DecodePath,
 }
 
 impl MoeLayer {
@@ -310,45 +326,53 @@ impl MoeLayer {
             // still slower than the permutation's gather plus the plain GEMM and activation
             // (Qwen3-30B-A3B T=8192: 1624 us against 105 + 735 + 93; docs/perf-notes.md).
             fused_gate_up: false,
-            decode_path: true,
+            decode_path: DecodePath::Auto,
         })
     }
 
-    /// Whether forwards of few tokens take the decode path: for `T ≤`
-    /// [`DECODE_MAX_TOKENS`](crate::gpu::DECODE_MAX_TOKENS) (and
-    /// [`decode_applies`](crate::gpu::decode_applies)), routing is followed by
-    /// [`decode_forward`](crate::gpu::decode_forward)'s two kernels instead of the
-    /// permutation, two grouped GEMMs, the activation and the combine (a Training layer
-    /// still runs the permutation, whose rows the backward reads, and the decode kernels
-    /// write the expert-major copies it keeps). On by default. Both modes take the same path
-    /// for the same `T`, so an Inference forward still equals a Training one bit for bit.
+    /// When forwards take the decode path ([`decode_forward`](crate::gpu::decode_forward)'s
+    /// two kernels after routing, instead of the permutation, two grouped GEMMs, the
+    /// activation and the combine; a Training layer still runs the permutation, whose rows
+    /// the backward reads, and the decode kernels write the expert-major copies it keeps).
+    /// [`DecodePath::Auto`] (the default) takes it where
+    /// [`decode_preferred`](crate::gpu::decode_preferred) holds. Both modes take the same
+    /// path for the same `T`, so an Inference forward still equals a Training one bit for
+    /// bit.
     ///
     /// ```no_run
-    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # use moefuse::{gpu::{DecodePath, Mode, MoeLayer, MoePlan}, MoeConfig};
     /// # let ctx = cudarc::driver::CudaContext::new(0)?;
     /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
-    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
-    /// assert!(layer.decode_path());
-    /// layer.set_decode_path(false); // the grouped-GEMM path for every T
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
+    /// assert_eq!(layer.decode_path(), DecodePath::Auto);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn decode_path(&self) -> bool {
+    pub fn decode_path(&self) -> DecodePath {
         self.decode_path
     }
 
-    /// Turns the decode path on (the default) or off; see [`MoeLayer::decode_path`].
+    /// Sets when forwards take the decode path; see [`MoeLayer::decode_path`].
     ///
     /// ```no_run
-    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # use moefuse::{gpu::{DecodePath, Mode, MoeLayer, MoePlan}, MoeConfig};
     /// # let ctx = cudarc::driver::CudaContext::new(0)?;
     /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
     /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Training)?;
-    /// layer.set_decode_path(false);
-    /// assert!(!layer.decode_path());
+    /// layer.set_decode_path(DecodePath::Never); // the grouped-GEMM path for every T
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn set_decode_path(&mut self, on: bool) {
-        self.decode_path = on;
+    pub fn set_decode_path(&mut self, path: DecodePath) {
+        self.decode_path = path;
+    }
+
+    /// Whether a forward of `tokens` tokens takes the decode path.
+    fn takes_decode_path(&self, tokens: usize) -> bool {
+        let cfg = self.plan.config();
+        match self.decode_path {
+            DecodePath::Auto => crate::gpu::decode_preferred(cfg, tokens),
+            DecodePath::Always => crate::gpu::decode_applies(cfg, tokens),
+            DecodePath::Never => false,
+        }
     }
 
     /// Whether the forward runs the fused gate_up (the rows of x gathered inside the

@@ -4,7 +4,7 @@
 use super::plan::{DH, DX_PERM, DY_PERM, D_H_PRE, H, H_PRE, X_PERM, Y_E};
 use super::workspace::SlotViews;
 use super::{LastForward, Mode, MoeLayer, MoeWorkspace, Routing, RoutingState, Saved, Weights};
-use crate::gpu::{check_buffer, check_len, decode_applies, DecodeSaved, Gradients};
+use crate::gpu::{check_buffer, check_len, DecodeSaved, Gradients};
 use crate::{model::check_routing, MoeError, RouterKind};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
@@ -47,7 +47,7 @@ impl MoeLayer {
         // Whatever happens below, the state of an earlier forward is gone.
         self.last = None;
         self.check_forward(weights, x, tokens, &routing, &*y, workspace)?;
-        if self.decode_path && decode_applies(self.plan.config(), tokens) {
+        if self.takes_decode_path(tokens) {
             return self.forward_decode(weights, x, tokens, routing, y, workspace);
         }
         let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
