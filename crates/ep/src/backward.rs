@@ -9,7 +9,7 @@
 //! `s` returns through the third (slot j's value in column j).
 
 use crate::error::need;
-use crate::layer::{EpMoeLayer, LocalWeights};
+use crate::exchange::{ExchangeLayer, LocalWeights};
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -20,18 +20,12 @@ use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
 use moefuse_kernels::{ColumnsToF32, Kernels, ScatterColumns};
 use std::sync::Arc;
 
-/// The gradients of one backward, on this rank: its experts' weight gradients, and per
-/// token slot `d_topk_weights`, plus `d_logits` when the forward routed from logits.
-pub struct EpGradients {
-    /// `[E/N, W, D]`.
-    pub d_gate_up: CudaSlice<bf16>,
-    /// `[E/N, D, I]`.
-    pub d_down: CudaSlice<bf16>,
-    /// `[max_tokens, k]` (the first `T·k` are this call's).
-    pub d_topk_weights: CudaSlice<f32>,
-    /// `[max_tokens, E]` (the first `T·E` when the forward routed from logits).
-    pub d_logits: CudaSlice<f32>,
-}
+/// The gradients of one backward, on this rank: its experts' weight gradients
+/// (`d_gate_up [E/N, W, D]`, `d_down [E/N, D, I]`), and per token slot `d_topk_weights
+/// [max_tokens, k]`, plus `d_logits [max_tokens, E]` when the forward routed from logits
+/// (the first `T·k` and `T·E` are this call's): the single-GPU layer's
+/// [`Gradients`](moefuse::gpu::Gradients) over this rank's experts.
+pub type EpGradients = moefuse::gpu::Gradients;
 
 /// A Training layer's backward state.
 pub(crate) struct Training {
@@ -135,14 +129,8 @@ impl Training {
     }
 }
 
-impl EpMoeLayer {
+impl ExchangeLayer {
     /// Gradient buffers for this layer's backward (zeroed).
-    ///
-    /// ```no_run
-    /// # fn demo(layer: &moefuse_ep::EpMoeLayer) -> Result<(), moefuse_ep::EpError> {
-    /// let grads = layer.gradients()?;
-    /// # Ok(()) }
-    /// ```
     pub fn gradients(&self) -> Result<EpGradients, EpError> {
         let c = self.config();
         let (local, s) = (self.local_experts(), self.stream());
@@ -159,15 +147,6 @@ impl EpMoeLayer {
     /// into `grads` the local experts' weight gradients (added to their content when
     /// `accumulate`), `d_topk_weights`, and `d_logits` when the forward routed from
     /// logits. Collective; needs a Training layer and a forward that returned `Ok`.
-    ///
-    /// ```no_run
-    /// # fn demo(layer: &mut moefuse_ep::EpMoeLayer, w: &moefuse_ep::LocalWeights<'_>,
-    /// #         dy: &cudarc::driver::CudaSlice<half::bf16>, dx: &mut cudarc::driver::CudaSlice<half::bf16>)
-    /// #         -> Result<(), moefuse_ep::EpError> {
-    /// let mut grads = layer.gradients()?;
-    /// layer.backward(w, dy, dx, &mut grads, false)?;
-    /// # Ok(()) }
-    /// ```
     pub fn backward<G, X>(
         &mut self,
         weights: &LocalWeights<'_>,

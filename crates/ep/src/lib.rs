@@ -15,9 +15,10 @@
 //! in column j of its row, zeros elsewhere, so the per-token sum keeps each slot's value;
 //! bf16 in transit).
 //!
-//! At one rank, the single-GPU [`moefuse::gpu::MoeLayer`] is the same layer without
-//! NVSHMEM; this crate is for `ranks >= 2` (it works at one rank too, through the
-//! collectives, which the tests use).
+//! At one rank, [`EpMoeLayer`] is the single-GPU [`moefuse::gpu::MoeLayer`] itself (the
+//! same kernels and bits, no exchange and no symmetric buffers): the exchanges only start
+//! paying at two ranks (measured at one PE through the exchanges: forward 1422 µs against
+//! the single-GPU layer's 1290, Qwen3-30B-A3B T = 8192).
 //!
 //! ```no_run
 //! # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>,
@@ -40,8 +41,10 @@
 
 mod backward;
 mod error;
+mod exchange;
 mod layer;
 
 pub use backward::EpGradients;
 pub use error::EpError;
-pub use layer::{EpMoeLayer, EpRouting, LocalWeights};
+pub use exchange::{EpRouting, LocalWeights};
+pub use layer::EpMoeLayer;

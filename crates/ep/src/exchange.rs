@@ -1,0 +1,337 @@
+//! [`ExchangeLayer`], the layer at two or more ranks: route → dispatch → local gate_up
+//! GEMM → activation → local down GEMM → combine, on the stream of its [`ExpertParallel`].
+//! The public [`EpMoeLayer`](crate::EpMoeLayer) wraps it (and, at one rank, the
+//! single-GPU layer instead).
+
+use crate::error::need;
+use crate::EpError;
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
+use half::bf16;
+use moefuse::gpu::{activation_forward, route, ActivationDesc, Mode, Rows};
+use moefuse::MoeConfig;
+use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
+use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
+use std::sync::Arc;
+
+/// The weights of this rank's experts (experts `rank·E/N .. (rank+1)·E/N`), borrowed from
+/// the caller for one call: `gate_up [E/N, W, D]` (`W = 2I` gated, in the config's gate/up
+/// layout; `I` for `Relu2`) and `down [E/N, D, I]`, bf16.
+///
+/// ```no_run
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let s = ctx.default_stream();
+/// let (gate_up, down) = (s.alloc_zeros::<half::bf16>(2 * 256 * 128)?, s.alloc_zeros::<half::bf16>(2 * 128 * 128)?);
+/// let w = moefuse_ep::LocalWeights { gate_up: gate_up.as_view(), down: down.as_view() };
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct LocalWeights<'w> {
+    /// `[E/N, W, D]`.
+    pub gate_up: CudaView<'w, bf16>,
+    /// `[E/N, D, I]`.
+    pub down: CudaView<'w, bf16>,
+}
+
+/// Where a forward's routing comes from.
+pub enum EpRouting<'a> {
+    /// Router logits `[T, E]` (fp32, over all experts): the layer routes with the config's
+    /// router (`MoeConfig::router`).
+    Logits(&'a CudaSlice<f32>),
+    /// Routing already on the device, read in place: expert ids `[T, k]` (global ids) and
+    /// weights `[T, k]`.
+    External {
+        /// `[T, k]` expert ids in `0..E`.
+        topk_ids: &'a CudaSlice<i32>,
+        /// `[T, k]` routing weights.
+        topk_weights: &'a CudaSlice<f32>,
+    },
+}
+
+/// One rank's part of the exchange layer: built collectively (every rank, same `config` and
+/// `max_tokens`), then called collectively, in the same order, on every rank.
+pub(crate) struct ExchangeLayer {
+    cfg: MoeConfig,
+    max_tokens: usize,
+    ep: ExpertParallel,
+    stream: Arc<CudaStream>,
+    gemm: GroupedGemm,
+    gate_up: GroupedPlan,
+    down: GroupedPlan,
+    gemm_ws: CudaSlice<u8>,
+    act: ActivationDesc,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    h_pre: CudaSlice<bf16>,
+    h: CudaSlice<bf16>,
+    y_e: CudaSlice<bf16>,
+    /// `Some` in Training: the backward's exchanges, plans, saved rows and scratch.
+    pub(crate) train: Option<crate::backward::Training>,
+    /// The last forward's token count, `Some` once a Training forward succeeded.
+    pub(crate) last: Option<Last>,
+}
+
+/// The layer's buffers a backward reads and writes at once.
+pub(crate) struct Parts<'a> {
+    pub(crate) train: &'a mut crate::backward::Training,
+    pub(crate) ep: &'a ExpertParallel,
+    pub(crate) ids: &'a CudaSlice<i32>,
+    pub(crate) gemm_ws: &'a mut CudaSlice<u8>,
+    pub(crate) y_e: &'a CudaSlice<bf16>,
+    pub(crate) h: &'a CudaSlice<bf16>,
+    pub(crate) h_pre: &'a CudaSlice<bf16>,
+}
+
+/// What the backward needs to know of the last forward.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Last {
+    pub(crate) tokens: usize,
+    pub(crate) routed: bool,
+}
+
+impl ExchangeLayer {
+    /// A layer of `config` for up to `max_tokens` tokens per rank and call, on `runtime`'s
+    /// world (experts split evenly over the ranks, rank r holding experts `r·E/N..`), in
+    /// `mode`. Collective: sizes are compared across ranks
+    /// ([`moefuse_comm::CommError::ConfigMismatch`]). Allocates the exchange's symmetric
+    /// buffers and the local intermediates for the worst case the exchange can deliver
+    /// (`recv_rows_capacity` rows); Training also builds the backward's two exchanges (dy
+    /// out and dx back; the `d_topk_weights` values back) and keeps the forward's received
+    /// rows.
+    pub fn with_mode(
+        runtime: &Arc<Runtime>,
+        stream: &Arc<CudaStream>,
+        config: MoeConfig,
+        max_tokens: usize,
+        mode: Mode,
+    ) -> Result<Self, EpError> {
+        config.validate()?;
+        let (d, i, w, k) = (
+            config.hidden,
+            config.intermediate,
+            config.gate_up_width(),
+            config.top_k,
+        );
+        let ep = ExpertParallel::new(
+            runtime,
+            stream,
+            EpConfig::new(config.experts, k, d, max_tokens),
+        )?;
+        let (local, rows) = (ep.placement().per_rank(), ep.recv_rows_capacity());
+        if rows > i32::MAX as usize {
+            return Err(EpError::Config(format!(
+                "{rows} receive rows exceed the kernels' int32 row index"
+            )));
+        }
+        let gemm = GroupedGemm::new(stream.context())?;
+        let gate_up = gemm.plan(&GroupedDesc::forward(local, rows, w, d, BLayout::Nk))?;
+        let down = gemm.plan(&GroupedDesc::forward(local, rows, d, i, BLayout::Nk))?;
+        let train = match mode {
+            Mode::Inference => None,
+            Mode::Training => Some(crate::backward::Training::new(
+                runtime, stream, &gemm, &config, max_tokens, local, rows,
+            )?),
+        };
+        let ws = [&gate_up, &down]
+            .into_iter()
+            .chain(train.iter().flat_map(|t| t.plans()))
+            .map(|p| p.workspace_bytes())
+            .max()
+            .unwrap_or(0)
+            .max(256);
+        let slots = max_tokens * k;
+        Ok(ExchangeLayer {
+            cfg: config,
+            max_tokens,
+            stream: stream.clone(),
+            gemm_ws: stream.alloc_zeros(ws)?,
+            act: ActivationDesc::from_config(&config),
+            ids: stream.alloc_zeros(slots.max(1))?,
+            weights: stream.alloc_zeros(slots.max(1))?,
+            h_pre: stream.alloc_zeros(rows * w)?,
+            h: stream.alloc_zeros(rows * i)?,
+            y_e: stream.alloc_zeros(rows * d)?,
+            ep,
+            gemm,
+            gate_up,
+            down,
+            train,
+            last: None,
+        })
+    }
+
+    /// The stream every call runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Most tokens per call on this rank.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// The fields a backward uses at once (disjoint borrows), `None` in Inference.
+    pub(crate) fn backward_parts(&mut self) -> Option<(Parts<'_>, &GroupedGemm, &ActivationDesc)> {
+        let train = self.train.as_mut()?;
+        Some((
+            Parts {
+                train,
+                ep: &self.ep,
+                ids: &self.ids,
+                gemm_ws: &mut self.gemm_ws,
+                y_e: &self.y_e,
+                h: &self.h,
+                h_pre: &self.h_pre,
+            },
+            &self.gemm,
+            &self.act,
+        ))
+    }
+
+    /// Experts this rank holds (`E / ranks`).
+    pub fn local_experts(&self) -> usize {
+        self.ep.placement().per_rank()
+    }
+
+    /// The first global expert id this rank holds.
+    pub fn first_expert(&self) -> usize {
+        self.ep.rank() * self.local_experts()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// Rows the local expert MLP can receive in one call (the exchange's worst case).
+    pub fn recv_rows_capacity(&self) -> usize {
+        self.ep.recv_rows_capacity()
+    }
+
+    /// `y [T, D] = MoE(x [T, D])` for this rank's `tokens` tokens (bf16, 16-byte aligned),
+    /// with this rank's experts' `weights`, on the layer's stream. Collective. Every
+    /// host-knowable check runs before any launch; a failure on one rank inside the
+    /// exchange reaches the others as [`moefuse_comm::CommError::PeerAborted`] (no hang).
+    pub fn forward<X, Y>(
+        &mut self,
+        weights: &LocalWeights<'_>,
+        x: &X,
+        tokens: usize,
+        routing: EpRouting<'_>,
+        y: &mut Y,
+    ) -> Result<(), EpError>
+    where
+        X: DevicePtr<bf16>,
+        Y: DevicePtrMut<bf16>,
+    {
+        self.last = None;
+        self.check(weights, x, tokens, &routing, &*y)?;
+        let (cfg, s, k) = (self.cfg, &self.stream, self.cfg.top_k);
+        let routed = matches!(routing, EpRouting::Logits(_));
+        let (ids, wts): (&CudaSlice<i32>, &CudaSlice<f32>) = match routing {
+            EpRouting::Logits(logits) => {
+                route(
+                    &cfg,
+                    s,
+                    tokens,
+                    logits,
+                    None,
+                    &mut self.ids,
+                    &mut self.weights,
+                )?;
+                if let Some(t) = &mut self.train {
+                    t.save_logits(s, logits, tokens * cfg.experts)?;
+                }
+                (&self.ids, &self.weights)
+            }
+            EpRouting::External {
+                topk_ids,
+                topk_weights,
+            } if self.train.is_some() => {
+                // Training: the backward re-sends by the same routing after the caller may
+                // have moved on, so it is copied.
+                let n = tokens * k;
+                s.memcpy_dtod(&topk_ids.slice(..n), &mut self.ids.slice_mut(..n))?;
+                s.memcpy_dtod(&topk_weights.slice(..n), &mut self.weights.slice_mut(..n))?;
+                (&self.ids, &self.weights)
+            }
+            EpRouting::External {
+                topk_ids,
+                topk_weights,
+            } => (topk_ids, topk_weights),
+        };
+        let (recv, last) = (self.ep.recv_rows_capacity(), self.local_experts() - 1);
+        let d = self.ep.dispatch(x, ids, wts, tokens)?;
+        let offsets = d.offsets();
+        // Each stage below reads the received-row count on the device (the last offset).
+        self.gemm.run(
+            &self.gate_up,
+            s,
+            offsets,
+            d.x(),
+            &weights.gate_up,
+            &mut self.h_pre,
+            &mut self.gemm_ws,
+        )?;
+        let last_offset = offsets.slice(last..);
+        activation_forward(
+            &self.act,
+            s,
+            Rows::from_device(&last_offset, recv),
+            &self.h_pre,
+            &mut self.h,
+        )?;
+        self.gemm.run(
+            &self.down,
+            s,
+            offsets,
+            &self.h,
+            &weights.down,
+            &mut self.y_e,
+            &mut self.gemm_ws,
+        )?;
+        d.combine(&self.y_e, y)?;
+        if self.train.is_some() {
+            self.last = Some(Last { tokens, routed });
+        }
+        Ok(())
+    }
+
+    /// Every host-knowable check of a forward.
+    fn check(
+        &self,
+        weights: &LocalWeights<'_>,
+        x: &dyn DevicePtr<bf16>,
+        tokens: usize,
+        routing: &EpRouting<'_>,
+        y: &dyn DevicePtrMut<bf16>,
+    ) -> Result<(), EpError> {
+        let c = &self.cfg;
+        let (local, d, i, w, k) = (
+            self.local_experts(),
+            c.hidden,
+            c.intermediate,
+            c.gate_up_width(),
+            c.top_k,
+        );
+        if tokens > self.max_tokens {
+            return Err(EpError::TooManyTokens {
+                tokens,
+                max: self.max_tokens,
+            });
+        }
+        need("gate_up [E/N, W, D]", weights.gate_up.len(), local * w * d)?;
+        need("down [E/N, D, I]", weights.down.len(), local * d * i)?;
+        need("x [T, D]", x.len(), tokens * d)?;
+        need("y [T, D]", y.len(), tokens * d)?;
+        match routing {
+            EpRouting::Logits(l) => need("logits [T, E]", l.len(), tokens * c.experts)?,
+            EpRouting::External {
+                topk_ids,
+                topk_weights,
+            } => {
+                need("topk_ids [T, k]", topk_ids.len(), tokens * k)?;
+                need("topk_weights [T, k]", topk_weights.len(), tokens * k)?;
+            }
+        }
+        Ok(())
+    }
+}
