@@ -158,6 +158,9 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
 
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
   __shared__ GateUpShared sm;
+  // Launched programmatically behind the router: resident before it ends, reading its
+  // topk_ids only once it has completed.
+  decode::wait_for_prerequisite();
   decode::allow_dependent_launch();
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
@@ -370,7 +373,21 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   const int slots = a->tokens * a->top_k;
   const int width = a->activation == MOEFUSE_ACTIVATION_RELU2 ? a->intermediate : 2 * a->intermediate;
   const int max_units = min(a->experts, slots) * (width / 16);
-  decode_gate_up_kernel<<<min(grids.gate_up, max_units), kGateUpWarps * 32, 0, s>>>(*a);
+  // Both kernels are launched with programmatic stream serialization (kept by stream
+  // capture): the gate_up kernel's blocks become resident while the router (or whatever
+  // precedes) finishes and wait for it in griddepcontrol.wait; the down kernel's blocks
+  // build their table and prefetch their first tile's weights into L2 while the gate_up
+  // kernel's last blocks run, then wait for h.
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t up = {};
+  up.gridDim = dim3(min(grids.gate_up, max_units));
+  up.blockDim = dim3(kGateUpWarps * 32);
+  up.stream = s;
+  up.attrs = attr;
+  up.numAttrs = 1;
+  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
@@ -378,17 +395,11 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   const int split_cap =
       max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kPartFloats / (16 * slots)));
   const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
-  // Programmatic dependent launch: the down kernel's blocks may start (routing table, L2
-  // prefetch of their weights) while the gate_up kernel's last blocks run; they wait for
-  // its completion (griddepcontrol.wait) before reading h. Kept by stream capture.
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(min(grids.down, a->hidden / 16));
   launch.blockDim = dim3(kDownWarps * 32);
   launch.dynamicSmemBytes = smem;
   launch.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
   launch.attrs = attr;
   launch.numAttrs = 1;
   if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
