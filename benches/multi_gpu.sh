@@ -7,7 +7,12 @@
 # 1. correctness: the comm GPU tests with ranks spread over the GPUs (dispatch -> combine round
 #    trips of 7 routings x 3 seeds at 2 and 4 PEs against the host model, teams, stream ops);
 # 2. dispatch/combine GB/s per GPU at 2, 4, 8 PEs (NVLink), Qwen3-30B-A3B and DeepSeek-V3
-#    shapes, 4096 tokens per rank, written to $OUT/dispatch_combine.jsonl.
+#    shapes, 4096 tokens per rank, written to $OUT/dispatch_combine.jsonl;
+# 3. the expert-parallel layer: its GPU test (forward and backward against the CPU reference
+#    at 1, 2 and 4 ranks, ranks spread over the GPUs), then its forward and backward at
+#    EP = 2, 4, 8, Qwen3-30B-A3B, 8192 tokens per rank, written to $OUT/moe_ep.jsonl
+#    (`moefuse_ep` rows; at EP = 1 the single-GPU layer).
+# Every JSON line of these suites carries "gpus": the GPUs the run used.
 # NVLink multicast stays off in every process (the device README says why).
 set -u
 out=${OUT:-/tmp/moefuse-out}
@@ -21,5 +26,11 @@ for n in 2 4 8; do
   [ "$n" -le "$gpus" ] || continue
   echo "== bench_ep, $n PEs"
   .device-pack/run.sh bench_ep --out "$out" --ranks "$n" --samples 30 || rc=1
+done
+.device-pack/run.sh test ep_layer_gpu || rc=1
+for n in 2 4 8; do
+  [ "$n" -le "$gpus" ] || continue
+  echo "== bench_ep_layer, EP = $n"
+  .device-pack/run.sh bench_ep_layer --out "$out" --ranks "$n" --tokens 8192 --samples 20 || rc=1
 done
 exit $rc

@@ -23,6 +23,9 @@ pub struct Record {
     pub backend: String,
     /// GPU name.
     pub gpu: String,
+    /// GPUs the run used, for the multi-process (expert-parallel) suites.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<usize>,
     /// Median time.
     pub median_us: f64,
     /// Interquartile range.
@@ -46,7 +49,7 @@ impl Record {
     ///
     /// ```
     /// let r = moefuse_benches::Record { suite: "s".into(), case: "c".into(), backend: "moefuse".into(),
-    ///     gpu: "g".into(), median_us: 10.0, iqr_us: 1.0, tflops: Some(5.0), gbps: None,
+    ///     gpu: "g".into(), gpus: None, median_us: 10.0, iqr_us: 1.0, tflops: Some(5.0), gbps: None,
     ///     rel_err: 1e-3, date: "d".into(), commit: "x".into() };
     /// assert!(r.line().contains("5.0 TFLOP/s"));
     /// ```
@@ -144,6 +147,21 @@ pub fn ep_world(name: &str, ranks: usize) -> Result<Option<EpWorld>, Error> {
         None => Runtime::init(&lib, &ctx, &UniqueId::create(&lib)?, 0, 1)?,
     };
     Ok(Some((ctx, rt)))
+}
+
+/// GPUs an expert-parallel run of `ranks` ranks uses: the launcher puts rank r on GPU
+/// `r % G` with `G` from `MOEFUSE_LAUNCH_GPUS` (default 1, every rank on one GPU).
+///
+/// ```
+/// assert_eq!(moefuse_benches::gpus_used(1), 1);
+/// ```
+pub fn gpus_used(ranks: usize) -> usize {
+    let g = std::env::var("MOEFUSE_LAUNCH_GPUS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&g| g >= 1)
+        .unwrap_or(1);
+    g.min(ranks.max(1))
 }
 
 /// A backend under test: runs its `i`-th call on the stream.

@@ -15,7 +15,7 @@
 use clap::Parser;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
-use moefuse_benches::{append, commit, ep_world, rotation, today, Error, Record};
+use moefuse_benches::{append, commit, ep_world, gpus_used, rotation, today, Error, Record};
 use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
 use moefuse_testkit::{rel_err, to_f32, Rng, Stats};
 use std::path::PathBuf;
@@ -148,6 +148,7 @@ fn bench_model(
         case: format!("{model}-t{t}-pe{ranks}-{phase}"),
         backend: "moefuse".into(),
         gpu: gpu.into(),
+        gpus: Some(gpus_used(ranks)),
         median_us: s.median_us,
         iqr_us: s.iqr_us,
         tflops: None,

@@ -15,7 +15,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::{MoeConfig, RouterKind};
-use moefuse_benches::{append, commit, ep_world, rotation, today, Error, Record};
+use moefuse_benches::{append, commit, ep_world, gpus_used, rotation, today, Error, Record};
 use moefuse_comm::Runtime;
 use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
 use moefuse_testkit::{rel_err, time_stream, Rng, Stats};
@@ -175,6 +175,7 @@ fn bench(
         case: format!("qwen3-30b-a3b-t{t}-ep{ranks}-{phase}"),
         backend: backend.into(),
         gpu: gpu.clone(),
+        gpus: Some(gpus_used(ranks)),
         median_us: st.median_us,
         iqr_us: st.iqr_us,
         tflops: Some(fl / (st.median_us * 1e-6) / 1e12),

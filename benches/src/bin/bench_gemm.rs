@@ -155,6 +155,7 @@ fn record(
         case: case.into(),
         backend: backend.into(),
         gpu: gpu.into(),
+        gpus: None,
         median_us: s.median_us,
         iqr_us: s.iqr_us,
         tflops: Some(tflops),

@@ -419,6 +419,7 @@ fn bench_case(
         case: format!("{model}-t{t}-{phase}"),
         backend: backend.into(),
         gpu: gpu.into(),
+        gpus: None,
         median_us: st.median_us,
         iqr_us: st.iqr_us,
         tflops: Some(flops / (st.median_us * 1e-6) / 1e12),
