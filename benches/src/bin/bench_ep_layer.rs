@@ -141,18 +141,38 @@ fn bench(
         // with the middle median.
         let (mut sf, mut sb, mut ef, mut eb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..3 {
-            sf.push(time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
-                Ok(one.forward(&weights, &xs[s % sets], t, routing(), &mut y, &mut ws)?)
-            })?);
-            sb.push(time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
-                Ok(one.backward(&weights, &dy, &mut dx, &mut g1, false, &mut ws)?)
-            })?);
-            ef.push(time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
-                Ok(layer.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
-            })?);
-            eb.push(time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
-                Ok(layer.backward(&lw, &dy, &mut dx, &mut grads, false)?)
-            })?);
+            sf.push(time_stream(
+                stream,
+                3,
+                args.samples,
+                |s| -> Result<(), Error> {
+                    Ok(one.forward(&weights, &xs[s % sets], t, routing(), &mut y, &mut ws)?)
+                },
+            )?);
+            sb.push(time_stream(
+                stream,
+                3,
+                args.samples,
+                |_| -> Result<(), Error> {
+                    Ok(one.backward(&weights, &dy, &mut dx, &mut g1, false, &mut ws)?)
+                },
+            )?);
+            ef.push(time_stream(
+                stream,
+                3,
+                args.samples,
+                |s| -> Result<(), Error> {
+                    Ok(layer.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
+                },
+            )?);
+            eb.push(time_stream(
+                stream,
+                3,
+                args.samples,
+                |_| -> Result<(), Error> {
+                    Ok(layer.backward(&lw, &dy, &mut dx, &mut grads, false)?)
+                },
+            )?);
         }
         single = Some((middle(sf), middle(sb)));
         ep_times = Some((middle(ef), middle(eb)));

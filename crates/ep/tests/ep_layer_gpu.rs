@@ -208,19 +208,12 @@ fn one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// N ranks of this binary on one GPU (time-sliced contexts).
 fn n_pes(n: usize) -> Result<(), String> {
     let seed = Rng::fresh_seed();
-    let me = std::env::current_exe().map_err(e)?;
-    let mut spec = moefuse_comm::LaunchSpec::new(n, me, Vec::<String>::new());
-    spec.timeout = Some(moefuse_testkit::scaled_secs(120));
-    spec.env
-        .push(("MOEFUSE_TEST_SEED".into(), seed.to_string().into()));
-    let mut log = Vec::new();
-    let result = moefuse_comm::launch(&spec, |event| {
-        if let moefuse_comm::LaunchEvent::Output { rank, line, .. } = event {
-            println!("[rank {rank}] {line}");
-            log.push(format!("[rank {rank}] {line}"));
-        }
-    });
-    result.map_err(|x| format!("{n} PEs, seed {seed}: {x}\n{}", log.join("\n")))
+    moefuse_testkit::relaunch(
+        n,
+        moefuse_testkit::scaled_secs(120),
+        &[("MOEFUSE_TEST_SEED", seed.to_string())],
+        &format!("{n} PEs, seed {seed}"),
+    )
 }
 
 /// A child of `n_pes`: join the job, run this rank's forward.

@@ -17,10 +17,12 @@
 //! ```
 
 mod blas;
+mod ranks;
 mod suite;
 mod timing;
 
 pub use blas::cublas_rowmajor;
+pub use ranks::relaunch;
 pub use suite::{gpu, GpuSuite};
 pub use timing::{time_stream, Stats};
 

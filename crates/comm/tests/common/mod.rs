@@ -34,25 +34,13 @@ pub fn one_pe(ctx: &Arc<CudaContext>) -> Result<MutexGuard<'static, OnePe>, Stri
     Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
-/// Runs this test binary again as `ranks` ranks through the launcher (GPUs from
-/// `MOEFUSE_LAUNCH_GPUS`, else all on GPU 0), each with `var` set, echoing every rank's lines;
-/// a failure carries `what` and all the lines.
+/// Runs this test binary again as `ranks` ranks ([`moefuse_testkit::relaunch`]) with `var`
+/// set.
 pub fn relaunch(
     ranks: usize,
     timeout: std::time::Duration,
     var: (&str, String),
     what: &str,
 ) -> Result<(), String> {
-    let me = std::env::current_exe().map_err(e)?;
-    let mut spec = moefuse_comm::LaunchSpec::new(ranks, me, Vec::<String>::new());
-    spec.timeout = Some(timeout);
-    spec.env.push((var.0.into(), var.1.into()));
-    let mut log = Vec::new();
-    let result = moefuse_comm::launch(&spec, |event| {
-        if let moefuse_comm::LaunchEvent::Output { rank, line, .. } = event {
-            println!("[rank {rank}] {line}");
-            log.push(format!("[rank {rank}] {line}"));
-        }
-    });
-    result.map_err(|x| format!("{what}: {x}\n{}", log.join("\n")))
+    moefuse_testkit::relaunch(ranks, timeout, &[var], what)
 }
