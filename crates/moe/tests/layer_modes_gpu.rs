@@ -14,7 +14,9 @@ use half::bf16;
 use layer_common::{
     bits, bits32, build, cases, e, inputs, same_bits, to_bf, Built, Case, Inputs, Route,
 };
-use moefuse::gpu::{DeviceWeights, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing};
+use moefuse::gpu::{
+    DecodePath, DeviceWeights, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing,
+};
 use moefuse::MoeError;
 use moefuse_testkit::{GpuSuite, Rng};
 use std::sync::Arc;
@@ -59,6 +61,22 @@ impl Dev {
             },
         }
     }
+}
+
+/// A case's device inputs and a Training layer with its weights and workspace.
+struct Trained {
+    t: usize,
+    dev: Dev,
+    built: Built,
+}
+
+fn trained(stream: &Arc<CudaStream>, case: &Case, seed: u64) -> Result<Trained, String> {
+    let inp = inputs(case, seed)?;
+    Ok(Trained {
+        t: case.tokens,
+        dev: Dev::new(stream, case, &inp)?,
+        built: build(stream, case.cfg, case.tokens, &inp.w, Mode::Training)?,
+    })
 }
 
 /// One forward of `layer` into a fresh poisoned `y`, returned as bits.
@@ -142,13 +160,16 @@ fn inference_matches_training(ctx: &Arc<CudaContext>) -> Result<(), String> {
     for (n, case) in cases().iter().enumerate() {
         let seed = seed.wrapping_add(n as u64);
         let what = |m: &str| format!("{} (seed {seed}): {m}", case.name);
-        let (inp, t) = (inputs(case, seed)?, case.tokens);
-        let dev = Dev::new(&stream, case, &inp)?;
-        let Built {
-            layer: mut train,
-            weights: w,
-            mut ws,
-        } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
+        let Trained {
+            t,
+            dev,
+            built:
+                Built {
+                    layer: mut train,
+                    weights: w,
+                    mut ws,
+                },
+        } = trained(&stream, case, seed)?;
         let plan = *train.plan();
         let mut infer = MoeLayer::new(&stream, &plan, Mode::Inference).map_err(e)?;
         memory_matches_plan(&train, &plan)?;
@@ -315,14 +336,19 @@ fn fused_gate_up_matches_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
     for (n, case) in cases().iter().enumerate() {
         let seed = seed.wrapping_add(n as u64);
         let what = |m: &str| format!("{} (seed {seed}): {m}", case.name);
-        let (inp, t) = (inputs(case, seed)?, case.tokens);
-        let dev = Dev::new(&stream, case, &inp)?;
-        let Built {
-            layer: mut train,
-            weights: w,
-            mut ws,
-        } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
+        let Trained {
+            t,
+            dev,
+            built:
+                Built {
+                    layer: mut train,
+                    weights: w,
+                    mut ws,
+                },
+        } = trained(&stream, case, seed)?;
         let plan = *train.plan();
+        // The fused gate_up is a stage of the grouped path: keep every T on it.
+        train.set_decode_path(DecodePath::Never);
         let y_plain = forward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
         let g_plain = backward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
         train.set_fused_gate_up(true).map_err(e)?;
@@ -359,6 +385,7 @@ fn fused_gate_up_matches_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
             moefuse_testkit::check_close(&a, &b, 2e-2, &what(&format!("fused {name}")))?;
         }
         let mut infer = MoeLayer::new(&stream, &plan, Mode::Inference).map_err(e)?;
+        infer.set_decode_path(DecodePath::Never);
         infer.set_fused_gate_up(true).map_err(e)?;
         let y_infer = forward_bits(&stream, &mut infer, &w, &dev, t, &mut ws)?;
         same_bits(
