@@ -22,6 +22,10 @@
 //! 5. `down gemm`: `y_e [R, D] = h · downᵀ`;
 //! 6. `combine`: `y[t] = Σ_slot w · y_e[row]` in fp32 (deterministic).
 //!
+//! Few tokens ([`DecodePath`], `T ≤ 64`): `route`, then (Training only) the permutation
+//! with the gather, then `decode (gate_up+down)`: stages 3–6 as two kernels that read each
+//! touched expert's weights once ([`decode_forward`](crate::gpu::decode_forward)).
+//!
 //! Backward stages: `combine bwd` gives `dy_perm = w · dy[t]` and
 //! `d_topk_weights = ⟨dy[t], y_e[row]⟩`; `down dgrad` (`dh`), `down wgrad` (`d_down`);
 //! `activation bwd` recomputes the activation from the saved `h_pre`; `gate_up dgrad`
