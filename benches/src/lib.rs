@@ -121,7 +121,7 @@ pub type EpWorld = (Arc<CudaContext>, Arc<moefuse_comm::Runtime>);
 /// with the rank) and return `None`; at one rank, a 1-PE runtime in this process. `None`
 /// also when there is no GPU (the skip line is printed).
 pub fn ep_world(name: &str, ranks: usize) -> Result<Option<EpWorld>, Error> {
-    use moefuse_comm::{exchange_unique_id, launch, LaunchEnv, LaunchEvent, LaunchSpec};
+    use moefuse_comm::{launch, LaunchEnv, LaunchEvent, LaunchSpec};
     use moefuse_comm::{Library, Runtime, UniqueId};
     let launched = LaunchEnv::from_env()?;
     if launched.is_none() && ranks > 1 {
@@ -139,11 +139,7 @@ pub fn ep_world(name: &str, ranks: usize) -> Result<Option<EpWorld>, Error> {
     };
     let lib = Library::load(None)?;
     let rt = match &launched {
-        Some(env) => {
-            let hex = exchange_unique_id(env, || Ok(UniqueId::create(&lib)?.to_hex()))?;
-            let id = UniqueId::from_hex(&hex)?;
-            Runtime::init(&lib, &ctx, &id, env.rank, env.world_size)?
-        }
+        Some(env) => Runtime::join_launched(&lib, &ctx, env)?,
         None => Runtime::init(&lib, &ctx, &UniqueId::create(&lib)?, 0, 1)?,
     };
     Ok(Some((ctx, rt)))

@@ -128,6 +128,33 @@ impl Runtime {
         )
     }
 
+    /// Joins the job `moefuse-launch` started (`cargo xtask launch`, `launch`): rank 0
+    /// creates the unique id, every rank gets it through the launcher's rendezvous
+    /// ([`exchange_unique_id`](crate::exchange_unique_id)), then [`Runtime::init`] as
+    /// `env.rank` of `env.world_size`.
+    ///
+    /// ```no_run
+    /// use moefuse_comm::{LaunchEnv, Library, Runtime};
+    /// let env = LaunchEnv::from_env()?.expect("run me under cargo xtask launch");
+    /// let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let rt = Runtime::join_launched(&Library::load(None)?, &ctx, &env)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn join_launched(
+        lib: &Library,
+        ctx: &Arc<CudaContext>,
+        env: &crate::LaunchEnv,
+    ) -> Result<Arc<Self>, CommError> {
+        let hex = crate::exchange_unique_id(env, || Ok(UniqueId::create(lib)?.to_hex()))?;
+        Self::init(
+            lib,
+            ctx,
+            &UniqueId::from_hex(&hex)?,
+            env.rank,
+            env.world_size,
+        )
+    }
+
     /// Joins a job started by `mpirun` or `srun` through NVSHMEM's own bootstrap
     /// (`NVSHMEM_BOOTSTRAP`: PMI by default; PMI-2, PMIx, or the MPI plugin by setting);
     /// rank and size come from the launcher. NOTES: not exercised here (no PMI on the

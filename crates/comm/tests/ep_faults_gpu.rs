@@ -19,9 +19,7 @@ mod common;
 use common::{e, one_pe, relaunch};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
-use moefuse_comm::{
-    exchange_unique_id, CommError, EpConfig, ExpertParallel, LaunchEnv, Library, Runtime, UniqueId,
-};
+use moefuse_comm::{CommError, EpConfig, ExpertParallel, LaunchEnv, Library, Runtime};
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -230,9 +228,7 @@ impl Rank {
         // SAFETY: one stream for every buffer of the rank.
         unsafe { ctx.disable_event_tracking() };
         let lib = Library::load(None).map_err(e)?;
-        let hex = exchange_unique_id(&env, || Ok(UniqueId::create(&lib)?.to_hex())).map_err(e)?;
-        let id = UniqueId::from_hex(&hex).map_err(e)?;
-        let rt = Runtime::init(&lib, &ctx, &id, env.rank, env.world_size).map_err(e)?;
+        let rt = Runtime::join_launched(&lib, &ctx, &env).map_err(e)?;
         let stream = ctx.new_stream().map_err(e)?;
         Ok(Rank {
             rt,

@@ -16,8 +16,8 @@ use common::{e, one_pe, relaunch};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use moefuse_comm::{
-    exchange_unique_id, quiet_on_stream, CommError, EpConfig, ExpertParallel, LaunchEnv, Library,
-    ReceiveLayout, Runtime, SendPlan, Signal, SignalOp, Team, UniqueId,
+    quiet_on_stream, CommError, EpConfig, ExpertParallel, LaunchEnv, Library, ReceiveLayout,
+    Runtime, SendPlan, Signal, SignalOp, Team, UniqueId,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
@@ -595,9 +595,7 @@ fn rank_main() -> Result<(), String> {
     // SAFETY: as in `shared`: one stream for every buffer.
     unsafe { ctx.disable_event_tracking() };
     let lib = Library::load(None).map_err(e)?;
-    let hex = exchange_unique_id(&env, || Ok(UniqueId::create(&lib)?.to_hex())).map_err(e)?;
-    let id = UniqueId::from_hex(&hex).map_err(e)?;
-    let rt = Runtime::init(&lib, &ctx, &id, env.rank, env.world_size).map_err(e)?;
+    let rt = Runtime::join_launched(&lib, &ctx, &env).map_err(e)?;
     let stream = ctx.new_stream().map_err(e)?;
     rt.ring_check(&stream, 4099).map_err(e)?;
     println!("ring check ok; {} PEs share this GPU", rt.pes_sharing_gpu());

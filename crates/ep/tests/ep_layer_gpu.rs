@@ -15,7 +15,7 @@ use moefuse::gpu::Mode;
 use moefuse::model::MoeWeights;
 use moefuse::reference::{backward, forward, RoutingInput};
 use moefuse::{MoeConfig, RouterKind};
-use moefuse_comm::{exchange_unique_id, LaunchEnv, Library, Runtime, UniqueId};
+use moefuse_comm::{LaunchEnv, Library, Runtime, UniqueId};
 use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
 use moefuse_testkit::{check_close, GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
@@ -225,9 +225,7 @@ fn rank_main() -> Result<(), String> {
         .map_err(e)?;
     let ctx = CudaContext::new(0).map_err(e)?;
     let lib = Library::load(None).map_err(e)?;
-    let hex = exchange_unique_id(&env, || Ok(UniqueId::create(&lib)?.to_hex())).map_err(e)?;
-    let id = UniqueId::from_hex(&hex).map_err(e)?;
-    let rt = Runtime::init(&lib, &ctx, &id, env.rank, env.world_size).map_err(e)?;
+    let rt = Runtime::join_launched(&lib, &ctx, &env).map_err(e)?;
     let stream = ctx.new_stream().map_err(e)?;
     check_rank(&rt, &stream, seed).map(|_| ())
 }
