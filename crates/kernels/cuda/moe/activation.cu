@@ -192,8 +192,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 moefuse_status check(const moefuse_activation_args* a, const char* name, bool backward) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
   if (a->activation < MOEFUSE_ACTIVATION_SWIGLU || a->activation > MOEFUSE_ACTIVATION_RELU2) {

@@ -303,8 +303,6 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
 
 // ---- host -------------------------------------------------------------------------------
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 // Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
 // device; the down kernel's dynamic shared memory limit is raised on the same first call.
 struct Grids {
@@ -333,8 +331,7 @@ Grids resident_grids() {
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
-  if (a->activation < MOEFUSE_ACTIVATION_SWIGLU || a->activation > MOEFUSE_ACTIVATION_RELU2 ||
-      (a->layout != MOEFUSE_GATE_UP_SPLIT && a->layout != MOEFUSE_GATE_UP_INTERLEAVED) || a->reserved != 0) {
+  if (!known_activation(a->activation, a->layout) || a->reserved != 0) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: activation %d, layout %d, reserved %d", name, a->activation,
                 a->layout, a->reserved);
   }

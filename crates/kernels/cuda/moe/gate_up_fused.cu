@@ -48,12 +48,9 @@ static_assert(SmemB{}.layout_b()(8, 0, 0) == 8 * 64 && SmemB{}.layout_b()(128, 0
                   SmemB{}.layout_b()(0, 0, 1) == 256 * 64,
               "fused gate_up: B stage rows are not 128-byte rows of a 256 x 64 tile");
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
-  if (a->activation < MOEFUSE_ACTIVATION_SWIGLU || a->activation > MOEFUSE_ACTIVATION_RELU2 ||
-      (a->layout != MOEFUSE_GATE_UP_SPLIT && a->layout != MOEFUSE_GATE_UP_INTERLEAVED)) {
+  if (!known_activation(a->activation, a->layout)) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: activation %d, layout %d", name, a->activation, a->layout);
   }
   if (a->tokens < 0 || a->top_k < 1 || a->top_k > 16 || a->experts < 1 || a->experts > kMaxGroups ||

@@ -36,6 +36,15 @@ namespace moefuse::moe {
 
 constexpr int kWarp = 32;
 
+// Whether `p` is 16-byte aligned (the vector loads and stores of bf16 rows).
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Whether an activation and a gate/up layout are among abi.h's enumerators.
+inline bool known_activation(int activation, int layout) {
+  return activation >= MOEFUSE_ACTIVATION_SWIGLU && activation <= MOEFUSE_ACTIVATION_RELU2 &&
+         (layout == MOEFUSE_GATE_UP_SPLIT || layout == MOEFUSE_GATE_UP_INTERLEAVED);
+}
+
 // Records `fmt` as the last error and returns `status`.
 template <class... Args>
 inline moefuse_status fail(moefuse_status status, const char* fmt, Args... args) {
