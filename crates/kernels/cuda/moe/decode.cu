@@ -169,12 +169,23 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   const int units = sm.routing.touched * tiles;
   const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const int ti = u / tiles, tile = u - ti * tiles, e = sm.routing.expert[ti];
+  // This lane's two weight rows of unit u.
+  auto rows_of = [&](int u, const uint16_t*& w_lo, const uint16_t*& w_hi) {
+    const int ti = u / tiles, tile = u - ti * tiles;
     int lo, hi;
     tile_rows(a, tile, g, lo, hi);
-    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
-    const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
+    const uint16_t* w = a.w_gate_up + size_t(sm.routing.expert[ti]) * width * a.hidden;
+    w_lo = w + size_t(lo) * a.hidden;
+    w_hi = w + size_t(hi) * a.hidden;
+  };
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int ti = u / tiles, tile = u - ti * tiles;
+    const uint16_t *w_lo, *w_hi;
+    if (u + gridDim.x < units) {
+      rows_of(u + gridDim.x, w_lo, w_hi);
+      decode::prefetch_rows(w_lo, w_hi, c0, c1);
+    }
+    rows_of(u, w_lo, w_hi);
     const int first = sm.routing.start[ti], count = sm.routing.start[ti + 1] - first;
     for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
       const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
@@ -259,14 +270,27 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   const int items = gr.count * splits, tiles = a.hidden / 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int slots_total = a.tokens * a.top_k;
+  // This lane's two rows of D_e for y columns d0 + g and d0 + g + 8.
+  auto rows_of = [&](int e, int d0, const uint16_t*& w_lo, const uint16_t*& w_hi) {
+    const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
+    w_lo = w + size_t(g) * a.intermediate;
+    w_hi = w + size_t(g + 8) * a.intermediate;
+  };
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int d0 = tile * 16;
     for (int item = warp; item < items; item += kDownWarps) {
       const int gi = item / splits, sp = item - gi * splits;
-      const int ti = gr.touched[gi], e = rt.expert[ti];
-      const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
-      const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
+      const int ti = gr.touched[gi];
       const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
+      const uint16_t *w_lo, *w_hi;
+      // The next item of this warp (in this tile, else in its next tile) into L2 first.
+      const int next = item + kDownWarps < items ? item + kDownWarps : (tile + gridDim.x < tiles ? warp : -1);
+      if (next >= 0 && next < items) {
+        const int ngi = next / splits, nsp = next - ngi * splits;
+        rows_of(rt.expert[gr.touched[ngi]], next == item + kDownWarps ? d0 : d0 + 16 * int(gridDim.x), w_lo, w_hi);
+        decode::prefetch_rows(w_lo, w_hi, chunks * nsp / splits, chunks * (nsp + 1) / splits);
+      }
+      rows_of(rt.expert[ti], d0, w_lo, w_hi);
       const int first = rt.start[ti] + gr.base[gi];
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;

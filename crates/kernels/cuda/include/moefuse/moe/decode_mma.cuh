@@ -181,40 +181,62 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
   mma_bf16(d, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
+// V chunks from chunk c on: all loads of the batch issued before its first MMA (one
+// memory round trip).
+template <int NB, int V>
+__device__ __forceinline__ void mma_batch(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
+                                          const uint16_t* b, const uint32_t (&b_off)[NB], int c, int k8) {
+  uint4 lo[V], hi[V];
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    lo[u] = load_stream(a_lo + (c + u) * kChunk + k8);
+    hi[u] = load_stream(a_hi + (c + u) * kChunk + k8);
+  }
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
+      mma_chunk(acc[nb], lo[u], hi[u], bv);
+    }
+  }
+}
+
 // acc[nb] = A[16, K range] · B[nb]ᵀ for K chunks [c0, c1): A rows a_lo (row g) and a_hi
-// (row g + 8) of this lane, U chunks of A in flight per lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element
-// offsets keep eight of them in eight registers). C fragment: acc[nb][0..1] =
-// (row g, columns 2t, 2t+1), acc[nb][2..3] = (row g + 8, same columns).
+// (row g + 8) of this lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element offsets
+// keep eight of them in eight registers). C fragment: acc[nb][0..1] = (row g, columns 2t,
+// 2t+1), acc[nb][2..3] = (row g + 8, same columns).
+// Batches of U chunks (U a power of two), then the remainder in halving batches: one
+// round trip per set bit (a remainder taken one chunk at a time cost one per chunk: 12
+// chunks as 8 + 1 + 1 + 1 + 1 were five round trips, now 8 + 4 are two).
 template <int NB, int U>
 __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
                                          const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
+  static_assert(U == 4 || U == 8, "U is 4 or 8");
   const int k8 = (threadIdx.x & 3) * 8;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
   int c = c0;
-  for (; c + U <= c1; c += U) {
-    uint4 lo[U], hi[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      lo[u] = load_stream(a_lo + (c + u) * kChunk + k8);
-      hi[u] = load_stream(a_hi + (c + u) * kChunk + k8);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
-        mma_chunk(acc[nb], lo[u], hi[u], bv);
-      }
-    }
+  for (; c + U <= c1; c += U) mma_batch<NB, U>(acc, a_lo, a_hi, b, b_off, c, k8);
+  if (U == 8 && c + 4 <= c1) {
+    mma_batch<NB, 4>(acc, a_lo, a_hi, b, b_off, c, k8);
+    c += 4;
   }
-  for (; c < c1; ++c) {
-    const uint4 lo = load_stream(a_lo + c * kChunk + k8), hi = load_stream(a_hi + c * kChunk + k8);
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8));
-      mma_chunk(acc[nb], lo, hi, bv);
-    }
+  if (c + 2 <= c1) {
+    mma_batch<NB, 2>(acc, a_lo, a_hi, b, b_off, c, k8);
+    c += 2;
+  }
+  if (c < c1) mma_batch<NB, 1>(acc, a_lo, a_hi, b, b_off, c, k8);
+}
+
+// Into L2, the 128-byte lines of K chunks [c0, c1) of this lane group's two A rows (lane t
+// of the group takes every fourth line): the next unit's weights travel while this one's
+// MMAs and barriers run.
+__device__ __forceinline__ void prefetch_rows(const uint16_t* a_lo, const uint16_t* a_hi, int c0, int c1) {
+  const int t = threadIdx.x & 3;
+  for (int line = c0 / 2 + t; line * 2 < c1; line += 4) {
+    prefetch_l2(a_lo + line * 2 * kChunk);
+    prefetch_l2(a_hi + line * 2 * kChunk);
   }
 }
 
