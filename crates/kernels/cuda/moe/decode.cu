@@ -48,8 +48,20 @@ using decode::kChunk;
 using decode::kMaxGroupBlocks;
 using decode::Routing;
 
+#ifndef MOEFUSE_DECODE_UP_PER_SM
+#define MOEFUSE_DECODE_UP_PER_SM 1
+#endif
+#ifndef MOEFUSE_DECODE_DOWN_PER_SM
+#define MOEFUSE_DECODE_DOWN_PER_SM 2
+#endif
 constexpr int kGateUpWarps = 8;
-constexpr int kDownWarps = 16;
+constexpr int kDownWarps = 8;
+// Chunks per register buffer of the streamed MMA loop (two buffers in flight).
+constexpr int kStreamChunks = 4;
+// Blocks per SM of each grid. One gate_up block per SM leaves room for one down block
+// (8 warps, <= 128 registers each), which the programmatic launch starts at once.
+constexpr int kGateUpPerSm = MOEFUSE_DECODE_UP_PER_SM;
+constexpr int kDownPerSm = MOEFUSE_DECODE_DOWN_PER_SM;
 // y_e partials of the down kernel: at most this many floats of dynamic shared memory
 // (80 KiB; one block per SM).
 constexpr int kPartFloats = 20480;
@@ -59,11 +71,6 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
 }
 
 // ---- gate_up ----------------------------------------------------------------------------
-
-struct GateUpShared {
-  Routing routing;
-  float partial[kGateUpWarps][kMaxGroupBlocks][32][4];
-};
 
 // The two rows of W_e a lane's fragments hold for tile `tile`: (row g, row g + 8) of the
 // A tile, i.e. the gate and up rows of feature f0 + g when gated, features f0 + g and
@@ -81,12 +88,56 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
   }
 }
 
-// One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
-// MMAs into shared partials.
+// The activation and the stores of one lane's C fragment of 8-column block nb: c[0..1]
+// row lo (columns 2t, 2t + 1 of the block), c[2..3] row hi, in fp32.
+__device__ void gate_up_epilogue(const moefuse_decode_args& a, const int* slots, int n, int tile, int nb,
+                                 const float (&c)[4]) {
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int width = gated ? 2 * a.intermediate : a.intermediate;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int lo, hi;
+  tile_rows(a, tile, g, lo, hi);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int col = nb * 8 + 2 * t + half;
+    if (col >= n) continue;
+    const int s = slots[col];
+    const float v_lo = c[half], v_hi = c[2 + half];
+    int row = -1;
+    if (a.row_of != nullptr) {
+      row = a.row_of[s];
+      if (row < 0 || row >= a.tokens * a.top_k) row = -1;
+    }
+    if (gated) {
+      const int f = tile * 8 + g;
+      const Point p = eval(a.activation, a.alpha, a.limit, v_lo, v_hi);
+      const uint16_t h = bf16_bits(p.h);
+      a.h[size_t(s) * a.intermediate + f] = h;
+      if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + f] = h;
+    } else {
+      const int f = tile * 16 + g;
+      const uint16_t h_lo = bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h);
+      const uint16_t h_hi = bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h);
+      a.h[size_t(s) * a.intermediate + f] = h_lo;
+      a.h[size_t(s) * a.intermediate + f + 8] = h_hi;
+      if (row >= 0 && a.h_rows != nullptr) {
+        a.h_rows[size_t(row) * a.intermediate + f] = h_lo;
+        a.h_rows[size_t(row) * a.intermediate + f + 8] = h_hi;
+      }
+    }
+    if (row >= 0 && a.h_pre_rows != nullptr) {
+      a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
+      a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
+    }
+  }
+}
+
+// One warp, one unit pass: slots [0, n) of `slots` (n <= 8 * NB) against this lane's two
+// weight rows over the whole of hidden, then the epilogue from the registers.
 template <int NB>
-__device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
-                                const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+__device__ void gate_up_pass(const moefuse_decode_args& a, const int* slots, int n, int tile,
+                             const uint16_t* w_lo, const uint16_t* w_hi, uint64_t pol) {
+  const int g = (threadIdx.x & 31) >> 2;
   uint32_t b_off[NB];  // tokens * hidden < 2^26
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -94,107 +145,39 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, 
     b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
   }
   float acc[NB][4];
-  // Two blocks of 8 warps per SM (128 registers): 8 chunks per lane in flight with one
-  // column block.
-  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
+  decode::mma_rows_stream<NB, kStreamChunks>(acc, w_lo, w_hi, a.x, b_off, a.hidden / kChunk, pol);
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sm.partial[warp][nb][lane][i] = acc[nb][i];
-  }
-}
-
-__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
-                              int blocks) {
-  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
-  const int width = gated ? 2 * a.intermediate : a.intermediate;
-  for (int i = threadIdx.x; i < blocks * 32; i += blockDim.x) {
-    const int nb = i >> 5, lane = i & 31, g = lane >> 2, t = lane & 3;
-    float c[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < kGateUpWarps; ++w) v += sm.partial[w][nb][lane][r];
-      c[r] = v;
-    }
-    int lo, hi;
-    tile_rows(a, tile, g, lo, hi);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = nb * 8 + 2 * t + half;
-      if (col >= n) continue;
-      const int s = slots[col];
-      const float v_lo = c[half], v_hi = c[2 + half];
-      int row = -1;
-      if (a.row_of != nullptr) {
-        row = a.row_of[s];
-        if (row < 0 || row >= a.tokens * a.top_k) row = -1;
-      }
-      if (gated) {
-        const int f = tile * 8 + g;
-        const Point p = eval(a.activation, a.alpha, a.limit, v_lo, v_hi);
-        const uint16_t h = bf16_bits(p.h);
-        a.h[size_t(s) * a.intermediate + f] = h;
-        if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + f] = h;
-      } else {
-        const int f = tile * 16 + g;
-        const uint16_t h_lo = bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h);
-        const uint16_t h_hi = bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h);
-        a.h[size_t(s) * a.intermediate + f] = h_lo;
-        a.h[size_t(s) * a.intermediate + f + 8] = h_hi;
-        if (row >= 0 && a.h_rows != nullptr) {
-          a.h_rows[size_t(row) * a.intermediate + f] = h_lo;
-          a.h_rows[size_t(row) * a.intermediate + f + 8] = h_hi;
-        }
-      }
-      if (row >= 0 && a.h_pre_rows != nullptr) {
-        a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
-        a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
-      }
-    }
-  }
+  for (int nb = 0; nb < NB; ++nb) gate_up_epilogue(a, slots, n, tile, nb, acc[nb]);
 }
 
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
-  __shared__ GateUpShared sm;
+  __shared__ Routing routing;
   // Launched programmatically behind the router: resident before it ends, reading its
-  // topk_ids only once it has completed.
+  // topk_ids only once it has completed. The down kernel may start at once: its blocks
+  // fit beside this kernel's and warm L2 with their weights while these stream.
   decode::wait_for_prerequisite();
   decode::allow_dependent_launch();
-  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
+  routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
-  const int tiles = width / 16;
-  const int units = sm.routing.touched * tiles;
-  const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-  // This lane's two weight rows of unit u.
-  auto rows_of = [&](int u, const uint16_t*& w_lo, const uint16_t*& w_hi) {
+  const int tiles = width / 16, units = routing.touched * tiles;
+  const int g = (threadIdx.x & 31) >> 2;
+  // Unit u goes to warp u of the grid counted block-fastest, so the first units spread
+  // over every SM. Each warp streams its units' whole K alone: no block barrier.
+  const int warps = gridDim.x * kGateUpWarps, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
+  const uint64_t pol = decode::evict_first_policy();
+  for (int u = gw; u < units; u += warps) {
     const int ti = u / tiles, tile = u - ti * tiles;
     int lo, hi;
     tile_rows(a, tile, g, lo, hi);
-    const uint16_t* w = a.w_gate_up + size_t(sm.routing.expert[ti]) * width * a.hidden;
-    w_lo = w + size_t(lo) * a.hidden;
-    w_hi = w + size_t(hi) * a.hidden;
-  };
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const int ti = u / tiles, tile = u - ti * tiles;
-    const uint16_t *w_lo, *w_hi;
-    if (u + gridDim.x < units) {
-      rows_of(u + gridDim.x, w_lo, w_hi);
-      decode::prefetch_rows(w_lo, w_hi, c0, c1);
-    }
-    rows_of(u, w_lo, w_hi);
-    const int first = sm.routing.start[ti], count = sm.routing.start[ti + 1] - first;
+    const uint16_t* w = a.w_gate_up + size_t(routing.expert[ti]) * width * a.hidden;
+    const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
+    const int first = routing.start[ti], count = routing.start[ti + 1] - first;
     for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
-      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
-      const int* slots = sm.routing.slot + first + base;
-      __syncthreads();  // the previous group's partials are read
-      if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      __syncthreads();
-      gate_up_store(a, sm, slots, n, tile, blocks);
+      const int n = min(count - base, 8 * kMaxGroupBlocks);
+      const int* slots = routing.slot + first + base;
+      if (n <= 8) gate_up_pass<1>(a, slots, n, tile, w_lo, w_hi, pol);
+      else gate_up_pass<2>(a, slots, n, tile, w_lo, w_hi, pol);
     }
   }
 }
@@ -206,19 +189,19 @@ struct DownShared {
   decode::Groups groups;
 };
 
-// Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
-// up to kPrefetchBytes per block (all blocks together stay well inside L2).
-constexpr int kPrefetchBytes = 192 * 1024;
+// L2 bytes all down blocks together prefetch ahead (half of the H200's 50 MB L2).
+constexpr uint32_t kPrefetchTotal = 24u << 20;
 
-__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0) {
-  const int lines_per_row = a.intermediate * 2 / 128;
-  const int per_expert = 16 * lines_per_row;
-  const int total = min(rt.touched * per_expert, kPrefetchBytes / 128);
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int ti = i / per_expert, rest = i - ti * per_expert, row = rest / lines_per_row;
-    const int line = rest - row * lines_per_row;
-    const uint16_t* p = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0 + row) * a.intermediate + line * 64;
-    decode::prefetch_l2(p);
+// Into L2, the 16 rows of D_e at column d0 (contiguous, 32 * intermediate bytes) of the
+// touched experts in order, up to `budget` bytes, by bulk prefetches of one thread.
+__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0, uint32_t budget) {
+  if (threadIdx.x != 0) return;
+  const uint32_t per = 32u * uint32_t(a.intermediate);
+  for (int ti = 0; ti < rt.touched && budget > 0; ++ti) {
+    const char* p = reinterpret_cast<const char*>(a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0) * a.intermediate);
+    const uint32_t bytes = min(per, budget);
+    for (uint32_t o = 0; o < bytes; o += 32768u) decode::prefetch_l2_bulk(p + o, min(32768u, bytes - o));
+    budget -= bytes;
   }
 }
 
@@ -233,8 +216,9 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
     b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
   }
   float acc[NB][4];
-  // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
-  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
+  const int k0 = c0 * kChunk;
+  decode::mma_rows_stream<NB, kStreamChunks>(acc, w_lo + k0, w_hi + k0, a.h + k0, b_off, c1 - c0,
+                                             decode::evict_first_policy());
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -249,7 +233,7 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
 }
 
-__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
+__global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
   extern __shared__ float part[];  // [splits][valid slots][16]
   Routing& rt = sm.routing;
@@ -259,9 +243,10 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   // weights at the same time and the second read meets the first in L2.
   decode::Groups& gr = sm.groups;
   gr.build(rt, 8 * kMaxGroupBlocks);
-  // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
-  // it warms L2 with its first tile's weights, then waits for h.
-  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
+  // Launched programmatically, the block may run beside the gate_up kernel's blocks: it
+  // warms L2 with its first tile's weights, then waits for h.
+  const uint32_t budget = kPrefetchTotal / gridDim.x / 16 * 16;
+  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16, budget);
   decode::wait_for_prerequisite();
   const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
   // K splits so that every warp has work when there are few groups.
@@ -270,27 +255,15 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   const int items = gr.count * splits, tiles = a.hidden / 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int slots_total = a.tokens * a.top_k;
-  // This lane's two rows of D_e for y columns d0 + g and d0 + g + 8.
-  auto rows_of = [&](int e, int d0, const uint16_t*& w_lo, const uint16_t*& w_hi) {
-    const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
-    w_lo = w + size_t(g) * a.intermediate;
-    w_hi = w + size_t(g + 8) * a.intermediate;
-  };
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int d0 = tile * 16;
+    if (tile + int(gridDim.x) < tiles) prefetch_tile(a, rt, d0 + 16 * int(gridDim.x), budget);
     for (int item = warp; item < items; item += kDownWarps) {
       const int gi = item / splits, sp = item - gi * splits;
       const int ti = gr.touched[gi];
       const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
-      const uint16_t *w_lo, *w_hi;
-      // The next item of this warp (in this tile, else in its next tile) into L2 first.
-      const int next = item + kDownWarps < items ? item + kDownWarps : (tile + gridDim.x < tiles ? warp : -1);
-      if (next >= 0 && next < items) {
-        const int ngi = next / splits, nsp = next - ngi * splits;
-        rows_of(rt.expert[gr.touched[ngi]], next == item + kDownWarps ? d0 : d0 + 16 * int(gridDim.x), w_lo, w_hi);
-        decode::prefetch_rows(w_lo, w_hi, chunks * nsp / splits, chunks * (nsp + 1) / splits);
-      }
-      rows_of(rt.expert[ti], d0, w_lo, w_hi);
+      const uint16_t* w = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0) * a.intermediate;
+      const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
       const int first = rt.start[ti] + gr.base[gi];
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;
@@ -327,30 +300,25 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
 
 // ---- host -------------------------------------------------------------------------------
 
-// Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
+// The grids of the two kernels (SMs x kGateUpPerSm, SMs x kDownPerSm), looked up once per
 // device; the down kernel's dynamic shared memory limit is raised on the same first call.
 struct Grids {
   int gate_up, down;
 };
 
-Grids resident_grids() {
-  static std::atomic<int> cache[64][2];
+Grids device_grids() {
+  static std::atomic<int> cache[64];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132};
-  int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
-  if (up > 0 && down > 0) return {up, down};
-  int sms = 0, up_per_sm = 0, down_per_sm = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       int(kPartFloats * sizeof(float)));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
-                                                kPartFloats * sizeof(float));
-  up = max(1, sms) * max(1, up_per_sm);
-  down = max(1, sms) * max(1, down_per_sm);
-  cache[dev][0].store(up, std::memory_order_release);
-  cache[dev][1].store(down, std::memory_order_release);
-  return {up, down};
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132 * kGateUpPerSm, 132 * kDownPerSm};
+  int sms = cache[dev].load(std::memory_order_acquire);
+  if (sms <= 0) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    sms = max(1, sms);
+    cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(kPartFloats * sizeof(float)));
+    cache[dev].store(sms, std::memory_order_release);
+  }
+  return {sms * kGateUpPerSm, sms * kDownPerSm};
 }
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
@@ -389,7 +357,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   const char* name = "moefuse_moe_decode_forward";
   if (moefuse_status st = check(a, name); st != MOEFUSE_STATUS_OK) return st;
   auto s = static_cast<cudaStream_t>(stream);
-  const Grids grids = resident_grids();
+  const Grids grids = device_grids();
   // At most min(experts, slots) experts are touched: no block beyond their units.
   const int slots = a->tokens * a->top_k;
   const int width = a->activation == MOEFUSE_ACTIVATION_RELU2 ? a->intermediate : 2 * a->intermediate;

@@ -155,15 +155,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// 16 bytes of a weight row, read once: not kept in L1.
-__device__ __forceinline__ uint4 load_stream(const uint16_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -181,19 +172,49 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
   mma_bf16(d, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
-// V chunks from chunk c on: all loads of the batch issued before its first MMA (one
-// memory round trip).
-template <int NB, int V>
-__device__ __forceinline__ void mma_batch(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
-                                          const uint16_t* b, const uint32_t (&b_off)[NB], int c, int k8) {
-  uint4 lo[V], hi[V];
+// `bytes` (a multiple of 16, 16-byte aligned) from p on into L2, one instruction (the
+// bulk-copy unit walks the range).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  prefetch_l2(p);
+#endif
+}
+
+// An L2 policy for bytes read once: evicted first, so a stream of weights does not push
+// out what the next kernel prefetched.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+__device__ __forceinline__ uint4 load_stream(const uint16_t* p, uint64_t pol) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(pol));
+  return v;
+}
+
+// Issues the loads of U chunks from chunk c on (A rows lo/hi of this lane).
+template <int U>
+__device__ __forceinline__ void load_chunks(uint4 (&lo)[U], uint4 (&hi)[U], const uint16_t* a_lo,
+                                            const uint16_t* a_hi, int c, int k8, uint64_t pol) {
 #pragma unroll
-  for (int u = 0; u < V; ++u) {
-    lo[u] = load_stream(a_lo + (c + u) * kChunk + k8);
-    hi[u] = load_stream(a_hi + (c + u) * kChunk + k8);
+  for (int u = 0; u < U; ++u) {
+    lo[u] = load_stream(a_lo + (c + u) * kChunk + k8, pol);
+    hi[u] = load_stream(a_hi + (c + u) * kChunk + k8, pol);
   }
+}
+
+// The MMAs of U loaded chunks from chunk c on against the B columns.
+template <int NB, int U>
+__device__ __forceinline__ void mma_chunks(float (&acc)[NB][4], const uint4 (&lo)[U], const uint4 (&hi)[U],
+                                           const uint16_t* b, const uint32_t (&b_off)[NB], int c, int k8) {
 #pragma unroll
-  for (int u = 0; u < V; ++u) {
+  for (int u = 0; u < U; ++u) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
@@ -202,41 +223,30 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NB][4], const uint16_t* a
   }
 }
 
-// acc[nb] = A[16, K range] · B[nb]ᵀ for K chunks [c0, c1): A rows a_lo (row g) and a_hi
-// (row g + 8) of this lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element offsets
-// keep eight of them in eight registers). C fragment: acc[nb][0..1] = (row g, columns 2t,
-// 2t+1), acc[nb][2..3] = (row g + 8, same columns).
-// Batches of U chunks (U a power of two), then the remainder in halving batches: one
-// round trip per set bit (a remainder taken one chunk at a time cost one per chunk: 12
-// chunks as 8 + 1 + 1 + 1 + 1 were five round trips, now 8 + 4 are two).
+// acc[nb] = A[16, chunks [0, n)] · B[nb]ᵀ, streamed: two register buffers of U chunks, the
+// loads of batch i + 1 issued before the MMAs of batch i, so a lane always has U to 2U
+// chunks in flight (no round trip per batch). The last n mod U chunks go one at a time.
 template <int NB, int U>
-__device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
-                                         const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
-  static_assert(U == 4 || U == 8, "U is 4 or 8");
+__device__ __forceinline__ void mma_rows_stream(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
+                                                const uint16_t* b, const uint32_t (&b_off)[NB], int n,
+                                                uint64_t pol) {
   const int k8 = (threadIdx.x & 3) * 8;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-  int c = c0;
-  for (; c + U <= c1; c += U) mma_batch<NB, U>(acc, a_lo, a_hi, b, b_off, c, k8);
-  if (U == 8 && c + 4 <= c1) {
-    mma_batch<NB, 4>(acc, a_lo, a_hi, b, b_off, c, k8);
-    c += 4;
+  const int full = n / U * U;
+  uint4 lo0[U], hi0[U], lo1[U], hi1[U];
+  if (full > 0) load_chunks<U>(lo0, hi0, a_lo, a_hi, 0, k8, pol);
+  for (int c = 0; c < full; c += 2 * U) {
+    const bool second = c + U < full;
+    if (second) load_chunks<U>(lo1, hi1, a_lo, a_hi, c + U, k8, pol);
+    mma_chunks<NB, U>(acc, lo0, hi0, b, b_off, c, k8);
+    if (c + 2 * U < full) load_chunks<U>(lo0, hi0, a_lo, a_hi, c + 2 * U, k8, pol);
+    if (second) mma_chunks<NB, U>(acc, lo1, hi1, b, b_off, c + U, k8);
   }
-  if (c + 2 <= c1) {
-    mma_batch<NB, 2>(acc, a_lo, a_hi, b, b_off, c, k8);
-    c += 2;
-  }
-  if (c < c1) mma_batch<NB, 1>(acc, a_lo, a_hi, b, b_off, c, k8);
-}
-
-// Into L2, the 128-byte lines of K chunks [c0, c1) of this lane group's two A rows (lane t
-// of the group takes every fourth line): the next unit's weights travel while this one's
-// MMAs and barriers run.
-__device__ __forceinline__ void prefetch_rows(const uint16_t* a_lo, const uint16_t* a_hi, int c0, int c1) {
-  const int t = threadIdx.x & 3;
-  for (int line = c0 / 2 + t; line * 2 < c1; line += 4) {
-    prefetch_l2(a_lo + line * 2 * kChunk);
-    prefetch_l2(a_hi + line * 2 * kChunk);
+  for (int c = full; c < n; ++c) {
+    uint4 lo[1], hi[1];
+    load_chunks<1>(lo, hi, a_lo, a_hi, c, k8, pol);
+    mma_chunks<NB, 1>(acc, lo, hi, b, b_off, c, k8);
   }
 }
 
