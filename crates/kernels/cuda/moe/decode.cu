@@ -57,7 +57,7 @@ using decode::Routing;
 constexpr int kGateUpWarps = 8;
 constexpr int kDownWarps = 8;
 // Chunks per register buffer of the streamed MMA loop (two buffers in flight).
-constexpr int kStreamChunks = 4;
+constexpr int kStreamChunks = 2;
 // Blocks per SM of each grid. One gate_up block per SM leaves room for one down block
 // (8 warps, <= 128 registers each), which the programmatic launch starts at once.
 constexpr int kGateUpPerSm = MOEFUSE_DECODE_UP_PER_SM;

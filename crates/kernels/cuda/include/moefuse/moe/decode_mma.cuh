@@ -190,36 +190,68 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return pol;
 }
 
+// 16 bytes at p + OFFSET bytes, read once. The offset is an immediate of the instruction:
+// computed in C++ it cost a 64-bit address register per load in flight.
+template <int OFFSET>
 __device__ __forceinline__ uint4 load_stream(const uint16_t* p, uint64_t pol) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4+%5], %6;"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(pol));
+               : "l"(p), "n"(OFFSET), "l"(pol));
   return v;
+}
+
+template <int U, int I = 0>
+__device__ __forceinline__ void load_batch(uint4 (&v)[U], const uint16_t* p, uint64_t pol) {
+  if constexpr (I < U) {
+    v[I] = load_stream<I * kChunk * 2>(p, pol);
+    load_batch<U, I + 1>(v, p, pol);
+  }
+}
+
+// 16 bytes of an activation row at p + OFFSET bytes (read by every lane group of the
+// unit: kept in L1).
+template <int OFFSET>
+__device__ __forceinline__ uint4 load_cached(const uint16_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "n"(OFFSET));
+  return v;
+}
+
+template <int U, int NB, int I = 0>
+__device__ __forceinline__ void load_b(uint4 (&v)[U][NB], const uint16_t* (&p)[NB]) {
+  if constexpr (I < U) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) v[I][nb] = load_cached<I * kChunk * 2>(p[nb]);
+    load_b<U, NB, I + 1>(v, p);
+  }
 }
 
 // Issues the loads of U chunks from chunk c on (A rows lo/hi of this lane).
 template <int U>
 __device__ __forceinline__ void load_chunks(uint4 (&lo)[U], uint4 (&hi)[U], const uint16_t* a_lo,
                                             const uint16_t* a_hi, int c, int k8, uint64_t pol) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    lo[u] = load_stream(a_lo + (c + u) * kChunk + k8, pol);
-    hi[u] = load_stream(a_hi + (c + u) * kChunk + k8, pol);
-  }
+  load_batch<U>(lo, a_lo + c * kChunk + k8, pol);
+  load_batch<U>(hi, a_hi + c * kChunk + k8, pol);
 }
 
 // The MMAs of U loaded chunks from chunk c on against the B columns.
 template <int NB, int U>
 __device__ __forceinline__ void mma_chunks(float (&acc)[NB][4], const uint4 (&lo)[U], const uint4 (&hi)[U],
                                            const uint16_t* b, const uint32_t (&b_off)[NB], int c, int k8) {
+  // The B vectors (L1-cached activations) of the batch first, in program order: left to
+  // the compiler, they were hoisted across batches and the registers spilled.
+  uint4 bv[U][NB];
+  const uint16_t* pb[NB];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) pb[nb] = b + b_off[nb] + c * kChunk + k8;
+  load_b<U, NB>(bv, pb);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
-      mma_chunk(acc[nb], lo[u], hi[u], bv);
-    }
+    for (int nb = 0; nb < NB; ++nb) mma_chunk(acc[nb], lo[u], hi[u], bv[u][nb]);
   }
 }
 
@@ -236,6 +268,7 @@ __device__ __forceinline__ void mma_rows_stream(float (&acc)[NB][4], const uint1
   const int full = n / U * U;
   uint4 lo0[U], hi0[U], lo1[U], hi1[U];
   if (full > 0) load_chunks<U>(lo0, hi0, a_lo, a_hi, 0, k8, pol);
+#pragma unroll 1
   for (int c = 0; c < full; c += 2 * U) {
     const bool second = c + U < full;
     if (second) load_chunks<U>(lo1, hi1, a_lo, a_hi, c + U, k8, pol);
@@ -243,6 +276,7 @@ __device__ __forceinline__ void mma_rows_stream(float (&acc)[NB][4], const uint1
     if (c + 2 * U < full) load_chunks<U>(lo0, hi0, a_lo, a_hi, c + 2 * U, k8, pol);
     if (second) mma_chunks<NB, U>(acc, lo1, hi1, b, b_off, c + U, k8);
   }
+#pragma unroll 1
   for (int c = full; c < n; ++c) {
     uint4 lo[1], hi[1];
     load_chunks<1>(lo, hi, a_lo, a_hi, c, k8, pol);
