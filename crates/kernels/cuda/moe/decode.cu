@@ -52,12 +52,23 @@ using decode::Routing;
 #define MOEFUSE_DECODE_UP_PER_SM 1
 #endif
 #ifndef MOEFUSE_DECODE_DOWN_PER_SM
-#define MOEFUSE_DECODE_DOWN_PER_SM 2
+#define MOEFUSE_DECODE_DOWN_PER_SM 1
+#endif
+#ifndef MOEFUSE_DECODE_UP_RING
+#define MOEFUSE_DECODE_UP_RING 12
+#endif
+#ifndef MOEFUSE_DECODE_DOWN_RING
+#define MOEFUSE_DECODE_DOWN_RING 4
 #endif
 constexpr int kGateUpWarps = 8;
-constexpr int kDownWarps = 8;
-// Chunks per register buffer of the streamed MMA loop (two buffers in flight).
-constexpr int kStreamChunks = 2;
+constexpr int kDownWarps = 16;
+// Chunks in each warp's shared-memory ring (one less in flight per lane).
+constexpr int kUpRing = MOEFUSE_DECODE_UP_RING;
+constexpr int kDownRing = MOEFUSE_DECODE_DOWN_RING;
+using UpRing = decode::Ring<kUpRing>;
+using DownRing = decode::Ring<kDownRing>;
+constexpr size_t kUpSmem = kGateUpWarps * sizeof(UpRing);
+constexpr size_t kDownRingSmem = kDownWarps * sizeof(DownRing);
 // Blocks per SM of each grid. One gate_up block per SM leaves room for one down block
 // (8 warps, <= 128 registers each), which the programmatic launch starts at once.
 constexpr int kGateUpPerSm = MOEFUSE_DECODE_UP_PER_SM;
@@ -135,7 +146,7 @@ __device__ void gate_up_epilogue(const moefuse_decode_args& a, const int* slots,
 // One warp, one unit pass: slots [0, n) of `slots` (n <= 8 * NB) against this lane's two
 // weight rows over the whole of hidden, then the epilogue from the registers.
 template <int NB>
-__device__ void gate_up_pass(const moefuse_decode_args& a, const int* slots, int n, int tile,
+__device__ void gate_up_pass(const moefuse_decode_args& a, UpRing& ring, const int* slots, int n, int tile,
                              const uint16_t* w_lo, const uint16_t* w_hi, uint64_t pol) {
   const int g = (threadIdx.x & 31) >> 2;
   uint32_t b_off[NB];  // tokens * hidden < 2^26
@@ -145,13 +156,15 @@ __device__ void gate_up_pass(const moefuse_decode_args& a, const int* slots, int
     b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
   }
   float acc[NB][4];
-  decode::mma_rows_stream<NB, kStreamChunks>(acc, w_lo, w_hi, a.x, b_off, a.hidden / kChunk, pol);
+  decode::mma_rows_ring<NB, kUpRing>(acc, ring, w_lo, w_hi, a.x, b_off, a.hidden / kChunk, pol);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) gate_up_epilogue(a, slots, n, tile, nb, acc[nb]);
 }
 
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
   __shared__ Routing routing;
+  extern __shared__ uint4 up_smem[];
+  UpRing& ring = reinterpret_cast<UpRing*>(up_smem)[threadIdx.x >> 5];
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed. The down kernel may start at once: its blocks
   // fit beside this kernel's and warm L2 with their weights while these stream.
@@ -176,8 +189,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
     for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
       const int n = min(count - base, 8 * kMaxGroupBlocks);
       const int* slots = routing.slot + first + base;
-      if (n <= 8) gate_up_pass<1>(a, slots, n, tile, w_lo, w_hi, pol);
-      else gate_up_pass<2>(a, slots, n, tile, w_lo, w_hi, pol);
+      if (n <= 8) gate_up_pass<1>(a, ring, slots, n, tile, w_lo, w_hi, pol);
+      else gate_up_pass<2>(a, ring, slots, n, tile, w_lo, w_hi, pol);
     }
   }
 }
@@ -206,7 +219,7 @@ __device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, i
 }
 
 template <int NB>
-__device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
+__device__ void down_partial(const moefuse_decode_args& a, DownRing& ring, const int* slots, int n, const uint16_t* w_lo,
                              const uint16_t* w_hi, int c0, int c1, float* part) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint32_t b_off[NB];  // tokens * top_k * intermediate < 2^30
@@ -217,8 +230,8 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
   float acc[NB][4];
   const int k0 = c0 * kChunk;
-  decode::mma_rows_stream<NB, kStreamChunks>(acc, w_lo + k0, w_hi + k0, a.h + k0, b_off, c1 - c0,
-                                             decode::evict_first_policy());
+  decode::mma_rows_ring<NB, kDownRing>(acc, ring, w_lo + k0, w_hi + k0, a.h + k0, b_off, c1 - c0,
+                                       decode::evict_first_policy());
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -233,9 +246,13 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
 }
 
+// 16 warps of at most 64 registers: beside one gate_up block (8 warps, <= 128) an SM's
+// registers hold both.
 __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
-  extern __shared__ float part[];  // [splits][valid slots][16]
+  extern __shared__ uint4 down_smem[];  // the warps' rings, then the partials
+  DownRing& ring = reinterpret_cast<DownRing*>(down_smem)[threadIdx.x >> 5];
+  float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(down_smem) + kDownRingSmem);  // [splits][valid slots][16]
   Routing& rt = sm.routing;
   rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
   // Work items: (group of at most 16 slots of one expert, K split). The groups of one
@@ -268,8 +285,8 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;
       float* p = part + (size_t(sp) * valid + first) * 16;
-      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
-      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      if (n <= 8) down_partial<1>(a, ring, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2>(a, ring, slots, n, w_lo, w_hi, c0, c1, p);
     }
     __syncthreads();
     // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
@@ -315,7 +332,8 @@ Grids device_grids() {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     sms = max(1, sms);
     cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         int(kPartFloats * sizeof(float)));
+                         int(kDownRingSmem + kPartFloats * sizeof(float)));
+    cudaFuncSetAttribute(decode_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kUpSmem));
     cache[dev].store(sms, std::memory_order_release);
   }
   return {sms * kGateUpPerSm, sms * kDownPerSm};
@@ -373,6 +391,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   cudaLaunchConfig_t up = {};
   up.gridDim = dim3(min(grids.gate_up, max_units));
   up.blockDim = dim3(kGateUpWarps * 32);
+  up.dynamicSmemBytes = kUpSmem;
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
@@ -383,7 +402,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   // touched (a duplicate id can only lower the splits the kernel takes: it clamps).
   const int split_cap =
       max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kPartFloats / (16 * slots)));
-  const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
+  const size_t smem = kDownRingSmem + size_t(split_cap) * slots * 16 * sizeof(float);
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(min(grids.down, a->hidden / 16));
   launch.blockDim = dim3(kDownWarps * 32);

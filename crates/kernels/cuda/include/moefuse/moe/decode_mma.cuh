@@ -190,98 +190,72 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return pol;
 }
 
-// 16 bytes at p + OFFSET bytes, read once. The offset is an immediate of the instruction:
-// computed in C++ it cost a 64-bit address register per load in flight.
-template <int OFFSET>
-__device__ __forceinline__ uint4 load_stream(const uint16_t* p, uint64_t pol) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4+%5], %6;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "n"(OFFSET), "l"(pol));
-  return v;
+// ---- the per-warp shared-memory ring -----------------------------------------------------
+
+// One chunk of a lane's two A rows (16 bytes each) from global memory into its ring slot,
+// asynchronously (cp.async, L1 bypassed, the L2 policy for bytes read once).
+__device__ __forceinline__ void copy_chunk(uint4* dst_lo, uint4* dst_hi, const uint16_t* src_lo,
+                                           const uint16_t* src_hi, uint64_t pol) {
+  const uint32_t lo = static_cast<uint32_t>(__cvta_generic_to_shared(dst_lo));
+  const uint32_t hi = static_cast<uint32_t>(__cvta_generic_to_shared(dst_hi));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(lo), "l"(src_lo), "l"(pol)
+               : "memory");
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(hi), "l"(src_hi), "l"(pol)
+               : "memory");
 }
 
-template <int U, int I = 0>
-__device__ __forceinline__ void load_batch(uint4 (&v)[U], const uint16_t* p, uint64_t pol) {
-  if constexpr (I < U) {
-    v[I] = load_stream<I * kChunk * 2>(p, pol);
-    load_batch<U, I + 1>(v, p, pol);
-  }
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// 16 bytes of an activation row at p + OFFSET bytes (read by every lane group of the
-// unit: kept in L1).
-template <int OFFSET>
-__device__ __forceinline__ uint4 load_cached(const uint16_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "n"(OFFSET));
-  return v;
-}
+// Shared memory of one warp's ring of S chunks: slot i holds lane l's A row lo at
+// [i][l] and row hi at [i][32 + l] (16 bytes each; a lane reads back only what it wrote,
+// so no warp synchronisation, and lane-linear 16-byte accesses have no bank conflicts).
+template <int S>
+struct Ring {
+  uint4 v[S][64];
+};
 
-template <int U, int NB, int I = 0>
-__device__ __forceinline__ void load_b(uint4 (&v)[U][NB], const uint16_t* (&p)[NB]) {
-  if constexpr (I < U) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) v[I][nb] = load_cached<I * kChunk * 2>(p[nb]);
-    load_b<U, NB, I + 1>(v, p);
-  }
-}
-
-// Issues the loads of U chunks from chunk c on (A rows lo/hi of this lane).
-template <int U>
-__device__ __forceinline__ void load_chunks(uint4 (&lo)[U], uint4 (&hi)[U], const uint16_t* a_lo,
-                                            const uint16_t* a_hi, int c, int k8, uint64_t pol) {
-  load_batch<U>(lo, a_lo + c * kChunk + k8, pol);
-  load_batch<U>(hi, a_hi + c * kChunk + k8, pol);
-}
-
-// The MMAs of U loaded chunks from chunk c on against the B columns.
-template <int NB, int U>
-__device__ __forceinline__ void mma_chunks(float (&acc)[NB][4], const uint4 (&lo)[U], const uint4 (&hi)[U],
-                                           const uint16_t* b, const uint32_t (&b_off)[NB], int c, int k8) {
-  // The B vectors (L1-cached activations) of the batch first, in program order: left to
-  // the compiler, they were hoisted across batches and the registers spilled.
-  uint4 bv[U][NB];
-  const uint16_t* pb[NB];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) pb[nb] = b + b_off[nb] + c * kChunk + k8;
-  load_b<U, NB>(bv, pb);
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) mma_chunk(acc[nb], lo[u], hi[u], bv[u][nb]);
-  }
-}
-
-// acc[nb] = A[16, chunks [0, n)] · B[nb]ᵀ, streamed: two register buffers of U chunks, the
-// loads of batch i + 1 issued before the MMAs of batch i, so a lane always has U to 2U
-// chunks in flight (no round trip per batch). The last n mod U chunks go one at a time.
-template <int NB, int U>
-__device__ __forceinline__ void mma_rows_stream(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
-                                                const uint16_t* b, const uint32_t (&b_off)[NB], int n,
-                                                uint64_t pol) {
-  const int k8 = (threadIdx.x & 3) * 8;
+// acc[nb] = A[16, chunks [0, n)] · B[nb]ᵀ, streamed through the warp's ring: S - 1 chunks
+// of A are in flight per lane at any time (in shared memory, not registers), one chunk
+// is consumed per step. Leaves no copy outstanding.
+template <int NB, int S>
+__device__ __forceinline__ void mma_rows_ring(float (&acc)[NB][4], Ring<S>& ring, const uint16_t* a_lo,
+                                              const uint16_t* a_hi, const uint16_t* b,
+                                              const uint32_t (&b_off)[NB], int n, uint64_t pol) {
+  const int lane = threadIdx.x & 31, k8 = (lane & 3) * 8;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-  const int full = n / U * U;
-  uint4 lo0[U], hi0[U], lo1[U], hi1[U];
-  if (full > 0) load_chunks<U>(lo0, hi0, a_lo, a_hi, 0, k8, pol);
-#pragma unroll 1
-  for (int c = 0; c < full; c += 2 * U) {
-    const bool second = c + U < full;
-    if (second) load_chunks<U>(lo1, hi1, a_lo, a_hi, c + U, k8, pol);
-    mma_chunks<NB, U>(acc, lo0, hi0, b, b_off, c, k8);
-    if (c + 2 * U < full) load_chunks<U>(lo0, hi0, a_lo, a_hi, c + 2 * U, k8, pol);
-    if (second) mma_chunks<NB, U>(acc, lo1, hi1, b, b_off, c + U, k8);
+  a_lo += k8;
+  a_hi += k8;
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    if (i < n) copy_chunk(&ring.v[i][lane], &ring.v[i][32 + lane], a_lo + i * kChunk, a_hi + i * kChunk, pol);
+    commit_copies();
   }
+  int slot = 0, fill = S - 1;
 #pragma unroll 1
-  for (int c = full; c < n; ++c) {
-    uint4 lo[1], hi[1];
-    load_chunks<1>(lo, hi, a_lo, a_hi, c, k8, pol);
-    mma_chunks<NB, 1>(acc, lo, hi, b, b_off, c, k8);
+  for (int c = 0; c < n; ++c) {
+    // The slot refilled now was read in the previous step, whose MMAs consumed it.
+    if (c + S - 1 < n) {
+      const int off = (c + S - 1) * kChunk;
+      copy_chunk(&ring.v[fill][lane], &ring.v[fill][32 + lane], a_lo + off, a_hi + off, pol);
+    }
+    commit_copies();
+    wait_copies<S - 1>();  // chunk c's group is complete
+    const uint4 lo = ring.v[slot][lane], hi = ring.v[slot][32 + lane];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8));
+      mma_chunk(acc[nb], lo, hi, bv);
+    }
+    slot = slot + 1 == S ? 0 : slot + 1;
+    fill = fill + 1 == S ? 0 : fill + 1;
   }
+  wait_copies<0>();
 }
 
 }  // namespace moefuse::moe::decode
