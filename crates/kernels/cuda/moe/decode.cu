@@ -48,31 +48,8 @@ using decode::kChunk;
 using decode::kMaxGroupBlocks;
 using decode::Routing;
 
-#ifndef MOEFUSE_DECODE_UP_PER_SM
-#define MOEFUSE_DECODE_UP_PER_SM 1
-#endif
-#ifndef MOEFUSE_DECODE_DOWN_PER_SM
-#define MOEFUSE_DECODE_DOWN_PER_SM 1
-#endif
-#ifndef MOEFUSE_DECODE_UP_RING
-#define MOEFUSE_DECODE_UP_RING 12
-#endif
-#ifndef MOEFUSE_DECODE_DOWN_RING
-#define MOEFUSE_DECODE_DOWN_RING 4
-#endif
 constexpr int kGateUpWarps = 8;
 constexpr int kDownWarps = 16;
-// Chunks in each warp's shared-memory ring (one less in flight per lane).
-constexpr int kUpRing = MOEFUSE_DECODE_UP_RING;
-constexpr int kDownRing = MOEFUSE_DECODE_DOWN_RING;
-using UpRing = decode::Ring<kUpRing>;
-using DownRing = decode::Ring<kDownRing>;
-constexpr size_t kUpSmem = kGateUpWarps * sizeof(UpRing);
-constexpr size_t kDownRingSmem = kDownWarps * sizeof(DownRing);
-// Blocks per SM of each grid. One gate_up block per SM leaves room for one down block
-// (8 warps, <= 128 registers each), which the programmatic launch starts at once.
-constexpr int kGateUpPerSm = MOEFUSE_DECODE_UP_PER_SM;
-constexpr int kDownPerSm = MOEFUSE_DECODE_DOWN_PER_SM;
 // y_e partials of the down kernel: at most this many floats of dynamic shared memory
 // (80 KiB; one block per SM).
 constexpr int kPartFloats = 20480;
@@ -82,6 +59,11 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
 }
 
 // ---- gate_up ----------------------------------------------------------------------------
+
+struct GateUpShared {
+  Routing routing;
+  float partial[kGateUpWarps][kMaxGroupBlocks][32][4];
+};
 
 // The two rows of W_e a lane's fragments hold for tile `tile`: (row g, row g + 8) of the
 // A tile, i.e. the gate and up rows of feature f0 + g when gated, features f0 + g and
@@ -99,56 +81,12 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
   }
 }
 
-// The activation and the stores of one lane's C fragment of 8-column block nb: c[0..1]
-// row lo (columns 2t, 2t + 1 of the block), c[2..3] row hi, in fp32.
-__device__ void gate_up_epilogue(const moefuse_decode_args& a, const int* slots, int n, int tile, int nb,
-                                 const float (&c)[4]) {
-  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
-  const int width = gated ? 2 * a.intermediate : a.intermediate;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  int lo, hi;
-  tile_rows(a, tile, g, lo, hi);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int col = nb * 8 + 2 * t + half;
-    if (col >= n) continue;
-    const int s = slots[col];
-    const float v_lo = c[half], v_hi = c[2 + half];
-    int row = -1;
-    if (a.row_of != nullptr) {
-      row = a.row_of[s];
-      if (row < 0 || row >= a.tokens * a.top_k) row = -1;
-    }
-    if (gated) {
-      const int f = tile * 8 + g;
-      const Point p = eval(a.activation, a.alpha, a.limit, v_lo, v_hi);
-      const uint16_t h = bf16_bits(p.h);
-      a.h[size_t(s) * a.intermediate + f] = h;
-      if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + f] = h;
-    } else {
-      const int f = tile * 16 + g;
-      const uint16_t h_lo = bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h);
-      const uint16_t h_hi = bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h);
-      a.h[size_t(s) * a.intermediate + f] = h_lo;
-      a.h[size_t(s) * a.intermediate + f + 8] = h_hi;
-      if (row >= 0 && a.h_rows != nullptr) {
-        a.h_rows[size_t(row) * a.intermediate + f] = h_lo;
-        a.h_rows[size_t(row) * a.intermediate + f + 8] = h_hi;
-      }
-    }
-    if (row >= 0 && a.h_pre_rows != nullptr) {
-      a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
-      a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
-    }
-  }
-}
-
-// One warp, one unit pass: slots [0, n) of `slots` (n <= 8 * NB) against this lane's two
-// weight rows over the whole of hidden, then the epilogue from the registers.
+// One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
+// MMAs into shared partials.
 template <int NB>
-__device__ void gate_up_pass(const moefuse_decode_args& a, UpRing& ring, const int* slots, int n, int tile,
-                             const uint16_t* w_lo, const uint16_t* w_hi, uint64_t pol) {
-  const int g = (threadIdx.x & 31) >> 2;
+__device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
+                                const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
   uint32_t b_off[NB];  // tokens * hidden < 2^26
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -156,41 +94,96 @@ __device__ void gate_up_pass(const moefuse_decode_args& a, UpRing& ring, const i
     b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
   }
   float acc[NB][4];
-  decode::mma_rows_ring<NB, kUpRing>(acc, ring, w_lo, w_hi, a.x, b_off, a.hidden / kChunk, pol);
+  // Two blocks of 8 warps per SM (128 registers): 8 chunks per lane in flight with one
+  // column block.
+  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) gate_up_epilogue(a, slots, n, tile, nb, acc[nb]);
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sm.partial[warp][nb][lane][i] = acc[nb][i];
+  }
+}
+
+__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
+                              int blocks) {
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int width = gated ? 2 * a.intermediate : a.intermediate;
+  for (int i = threadIdx.x; i < blocks * 32; i += blockDim.x) {
+    const int nb = i >> 5, lane = i & 31, g = lane >> 2, t = lane & 3;
+    float c[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kGateUpWarps; ++w) v += sm.partial[w][nb][lane][r];
+      c[r] = v;
+    }
+    int lo, hi;
+    tile_rows(a, tile, g, lo, hi);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = nb * 8 + 2 * t + half;
+      if (col >= n) continue;
+      const int s = slots[col];
+      const float v_lo = c[half], v_hi = c[2 + half];
+      int row = -1;
+      if (a.row_of != nullptr) {
+        row = a.row_of[s];
+        if (row < 0 || row >= a.tokens * a.top_k) row = -1;
+      }
+      if (gated) {
+        const int f = tile * 8 + g;
+        const Point p = eval(a.activation, a.alpha, a.limit, v_lo, v_hi);
+        const uint16_t h = bf16_bits(p.h);
+        a.h[size_t(s) * a.intermediate + f] = h;
+        if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + f] = h;
+      } else {
+        const int f = tile * 16 + g;
+        const uint16_t h_lo = bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h);
+        const uint16_t h_hi = bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h);
+        a.h[size_t(s) * a.intermediate + f] = h_lo;
+        a.h[size_t(s) * a.intermediate + f + 8] = h_hi;
+        if (row >= 0 && a.h_rows != nullptr) {
+          a.h_rows[size_t(row) * a.intermediate + f] = h_lo;
+          a.h_rows[size_t(row) * a.intermediate + f + 8] = h_hi;
+        }
+      }
+      if (row >= 0 && a.h_pre_rows != nullptr) {
+        a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
+        a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
+      }
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
-  __shared__ Routing routing;
-  extern __shared__ uint4 up_smem[];
-  UpRing& ring = reinterpret_cast<UpRing*>(up_smem)[threadIdx.x >> 5];
+  __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
-  // topk_ids only once it has completed. The down kernel may start at once: its blocks
-  // fit beside this kernel's and warm L2 with their weights while these stream.
+  // topk_ids only once it has completed.
   decode::wait_for_prerequisite();
   decode::allow_dependent_launch();
-  routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
+  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
-  const int tiles = width / 16, units = routing.touched * tiles;
-  const int g = (threadIdx.x & 31) >> 2;
-  // Unit u goes to warp u of the grid counted block-fastest, so the first units spread
-  // over every SM. Each warp streams its units' whole K alone: no block barrier.
-  const int warps = gridDim.x * kGateUpWarps, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-  const uint64_t pol = decode::evict_first_policy();
-  for (int u = gw; u < units; u += warps) {
-    const int ti = u / tiles, tile = u - ti * tiles;
+  const int tiles = width / 16;
+  const int units = sm.routing.touched * tiles;
+  const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int ti = u / tiles, tile = u - ti * tiles, e = sm.routing.expert[ti];
     int lo, hi;
     tile_rows(a, tile, g, lo, hi);
-    const uint16_t* w = a.w_gate_up + size_t(routing.expert[ti]) * width * a.hidden;
+    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
     const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
-    const int first = routing.start[ti], count = routing.start[ti + 1] - first;
+    const int first = sm.routing.start[ti], count = sm.routing.start[ti + 1] - first;
     for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
-      const int n = min(count - base, 8 * kMaxGroupBlocks);
-      const int* slots = routing.slot + first + base;
-      if (n <= 8) gate_up_pass<1>(a, ring, slots, n, tile, w_lo, w_hi, pol);
-      else gate_up_pass<2>(a, ring, slots, n, tile, w_lo, w_hi, pol);
+      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
+      const int* slots = sm.routing.slot + first + base;
+      __syncthreads();  // the previous group's partials are read
+      if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      __syncthreads();
+      gate_up_store(a, sm, slots, n, tile, blocks);
     }
   }
 }
@@ -202,24 +195,24 @@ struct DownShared {
   decode::Groups groups;
 };
 
-// L2 bytes all down blocks together prefetch ahead (half of the H200's 50 MB L2).
-constexpr uint32_t kPrefetchTotal = 24u << 20;
+// Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
+// up to kPrefetchBytes per block (all blocks together stay well inside L2).
+constexpr int kPrefetchBytes = 192 * 1024;
 
-// Into L2, the 16 rows of D_e at column d0 (contiguous, 32 * intermediate bytes) of the
-// touched experts in order, up to `budget` bytes, by bulk prefetches of one thread.
-__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0, uint32_t budget) {
-  if (threadIdx.x != 0) return;
-  const uint32_t per = 32u * uint32_t(a.intermediate);
-  for (int ti = 0; ti < rt.touched && budget > 0; ++ti) {
-    const char* p = reinterpret_cast<const char*>(a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0) * a.intermediate);
-    const uint32_t bytes = min(per, budget);
-    for (uint32_t o = 0; o < bytes; o += 32768u) decode::prefetch_l2_bulk(p + o, min(32768u, bytes - o));
-    budget -= bytes;
+__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0) {
+  const int lines_per_row = a.intermediate * 2 / 128;
+  const int per_expert = 16 * lines_per_row;
+  const int total = min(rt.touched * per_expert, kPrefetchBytes / 128);
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int ti = i / per_expert, rest = i - ti * per_expert, row = rest / lines_per_row;
+    const int line = rest - row * lines_per_row;
+    const uint16_t* p = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0 + row) * a.intermediate + line * 64;
+    decode::prefetch_l2(p);
   }
 }
 
 template <int NB>
-__device__ void down_partial(const moefuse_decode_args& a, DownRing& ring, const int* slots, int n, const uint16_t* w_lo,
+__device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
                              const uint16_t* w_hi, int c0, int c1, float* part) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint32_t b_off[NB];  // tokens * top_k * intermediate < 2^30
@@ -229,9 +222,8 @@ __device__ void down_partial(const moefuse_decode_args& a, DownRing& ring, const
     b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
   }
   float acc[NB][4];
-  const int k0 = c0 * kChunk;
-  decode::mma_rows_ring<NB, kDownRing>(acc, ring, w_lo + k0, w_hi + k0, a.h + k0, b_off, c1 - c0,
-                                       decode::evict_first_policy());
+  // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
+  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -246,13 +238,9 @@ __device__ void down_partial(const moefuse_decode_args& a, DownRing& ring, const
   }
 }
 
-// 16 warps of at most 64 registers: beside one gate_up block (8 warps, <= 128) an SM's
-// registers hold both.
-__global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse_decode_args a, int split_cap) {
+__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
-  extern __shared__ uint4 down_smem[];  // the warps' rings, then the partials
-  DownRing& ring = reinterpret_cast<DownRing*>(down_smem)[threadIdx.x >> 5];
-  float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(down_smem) + kDownRingSmem);  // [splits][valid slots][16]
+  extern __shared__ float part[];  // [splits][valid slots][16]
   Routing& rt = sm.routing;
   rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
   // Work items: (group of at most 16 slots of one expert, K split). The groups of one
@@ -260,10 +248,9 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse
   // weights at the same time and the second read meets the first in L2.
   decode::Groups& gr = sm.groups;
   gr.build(rt, 8 * kMaxGroupBlocks);
-  // Launched programmatically, the block may run beside the gate_up kernel's blocks: it
-  // warms L2 with its first tile's weights, then waits for h.
-  const uint32_t budget = kPrefetchTotal / gridDim.x / 16 * 16;
-  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16, budget);
+  // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
+  // it warms L2 with its first tile's weights, then waits for h.
+  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
   decode::wait_for_prerequisite();
   const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
   // K splits so that every warp has work when there are few groups.
@@ -274,19 +261,18 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse
   const int slots_total = a.tokens * a.top_k;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int d0 = tile * 16;
-    if (tile + int(gridDim.x) < tiles) prefetch_tile(a, rt, d0 + 16 * int(gridDim.x), budget);
     for (int item = warp; item < items; item += kDownWarps) {
       const int gi = item / splits, sp = item - gi * splits;
-      const int ti = gr.touched[gi];
-      const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
-      const uint16_t* w = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0) * a.intermediate;
+      const int ti = gr.touched[gi], e = rt.expert[ti];
+      const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
       const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
+      const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
       const int first = rt.start[ti] + gr.base[gi];
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;
       float* p = part + (size_t(sp) * valid + first) * 16;
-      if (n <= 8) down_partial<1>(a, ring, slots, n, w_lo, w_hi, c0, c1, p);
-      else down_partial<2>(a, ring, slots, n, w_lo, w_hi, c0, c1, p);
+      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
     }
     __syncthreads();
     // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
@@ -317,26 +303,30 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_kernel(moefuse
 
 // ---- host -------------------------------------------------------------------------------
 
-// The grids of the two kernels (SMs x kGateUpPerSm, SMs x kDownPerSm), looked up once per
+// Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
 // device; the down kernel's dynamic shared memory limit is raised on the same first call.
 struct Grids {
   int gate_up, down;
 };
 
-Grids device_grids() {
-  static std::atomic<int> cache[64];
+Grids resident_grids() {
+  static std::atomic<int> cache[64][2];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132 * kGateUpPerSm, 132 * kDownPerSm};
-  int sms = cache[dev].load(std::memory_order_acquire);
-  if (sms <= 0) {
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    sms = max(1, sms);
-    cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         int(kDownRingSmem + kPartFloats * sizeof(float)));
-    cudaFuncSetAttribute(decode_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kUpSmem));
-    cache[dev].store(sms, std::memory_order_release);
-  }
-  return {sms * kGateUpPerSm, sms * kDownPerSm};
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132};
+  int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
+  if (up > 0 && down > 0) return {up, down};
+  int sms = 0, up_per_sm = 0, down_per_sm = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       int(kPartFloats * sizeof(float)));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
+                                                kPartFloats * sizeof(float));
+  up = max(1, sms) * max(1, up_per_sm);
+  down = max(1, sms) * max(1, down_per_sm);
+  cache[dev][0].store(up, std::memory_order_release);
+  cache[dev][1].store(down, std::memory_order_release);
+  return {up, down};
 }
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
@@ -375,7 +365,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   const char* name = "moefuse_moe_decode_forward";
   if (moefuse_status st = check(a, name); st != MOEFUSE_STATUS_OK) return st;
   auto s = static_cast<cudaStream_t>(stream);
-  const Grids grids = device_grids();
+  const Grids grids = resident_grids();
   // At most min(experts, slots) experts are touched: no block beyond their units.
   const int slots = a->tokens * a->top_k;
   const int width = a->activation == MOEFUSE_ACTIVATION_RELU2 ? a->intermediate : 2 * a->intermediate;
@@ -391,7 +381,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   cudaLaunchConfig_t up = {};
   up.gridDim = dim3(min(grids.gate_up, max_units));
   up.blockDim = dim3(kGateUpWarps * 32);
-  up.dynamicSmemBytes = kUpSmem;
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
@@ -402,7 +391,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   // touched (a duplicate id can only lower the splits the kernel takes: it clamps).
   const int split_cap =
       max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kPartFloats / (16 * slots)));
-  const size_t smem = kDownRingSmem + size_t(split_cap) * slots * 16 * sizeof(float);
+  const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(min(grids.down, a->hidden / 16));
   launch.blockDim = dim3(kDownWarps * 32);

@@ -155,6 +155,15 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// 16 bytes of a weight row, read once: not kept in L1.
+__device__ __forceinline__ uint4 load_stream(const uint16_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -172,90 +181,41 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
   mma_bf16(d, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
-// `bytes` (a multiple of 16, 16-byte aligned) from p on into L2, one instruction (the
-// bulk-copy unit walks the range).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  prefetch_l2(p);
-#endif
-}
-
-// An L2 policy for bytes read once: evicted first, so a stream of weights does not push
-// out what the next kernel prefetched.
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-
-// ---- the per-warp shared-memory ring -----------------------------------------------------
-
-// One chunk of a lane's two A rows (16 bytes each) from global memory into its ring slot,
-// asynchronously (cp.async, L1 bypassed, the L2 policy for bytes read once).
-__device__ __forceinline__ void copy_chunk(uint4* dst_lo, uint4* dst_hi, const uint16_t* src_lo,
-                                           const uint16_t* src_hi, uint64_t pol) {
-  const uint32_t lo = static_cast<uint32_t>(__cvta_generic_to_shared(dst_lo));
-  const uint32_t hi = static_cast<uint32_t>(__cvta_generic_to_shared(dst_hi));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(lo), "l"(src_lo), "l"(pol)
-               : "memory");
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(hi), "l"(src_hi), "l"(pol)
-               : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Shared memory of one warp's ring of S chunks: slot i holds lane l's A row lo at
-// [i][l] and row hi at [i][32 + l] (16 bytes each; a lane reads back only what it wrote,
-// so no warp synchronisation, and lane-linear 16-byte accesses have no bank conflicts).
-template <int S>
-struct Ring {
-  uint4 v[S][64];
-};
-
-// acc[nb] = A[16, chunks [0, n)] · B[nb]ᵀ, streamed through the warp's ring: S - 1 chunks
-// of A are in flight per lane at any time (in shared memory, not registers), one chunk
-// is consumed per step. Leaves no copy outstanding.
-template <int NB, int S>
-__device__ __forceinline__ void mma_rows_ring(float (&acc)[NB][4], Ring<S>& ring, const uint16_t* a_lo,
-                                              const uint16_t* a_hi, const uint16_t* b,
-                                              const uint32_t (&b_off)[NB], int n, uint64_t pol) {
-  const int lane = threadIdx.x & 31, k8 = (lane & 3) * 8;
+// acc[nb] = A[16, K range] · B[nb]ᵀ for K chunks [c0, c1): A rows a_lo (row g) and a_hi
+// (row g + 8) of this lane, U chunks of A in flight per lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element
+// offsets keep eight of them in eight registers). C fragment: acc[nb][0..1] =
+// (row g, columns 2t, 2t+1), acc[nb][2..3] = (row g + 8, same columns).
+template <int NB, int U>
+__device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
+                                         const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
+  const int k8 = (threadIdx.x & 3) * 8;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-  a_lo += k8;
-  a_hi += k8;
+  int c = c0;
+  for (; c + U <= c1; c += U) {
+    uint4 lo[U], hi[U];
 #pragma unroll
-  for (int i = 0; i < S - 1; ++i) {
-    if (i < n) copy_chunk(&ring.v[i][lane], &ring.v[i][32 + lane], a_lo + i * kChunk, a_hi + i * kChunk, pol);
-    commit_copies();
-  }
-  int slot = 0, fill = S - 1;
-#pragma unroll 1
-  for (int c = 0; c < n; ++c) {
-    // The slot refilled now was read in the previous step, whose MMAs consumed it.
-    if (c + S - 1 < n) {
-      const int off = (c + S - 1) * kChunk;
-      copy_chunk(&ring.v[fill][lane], &ring.v[fill][32 + lane], a_lo + off, a_hi + off, pol);
+    for (int u = 0; u < U; ++u) {
+      lo[u] = load_stream(a_lo + (c + u) * kChunk + k8);
+      hi[u] = load_stream(a_hi + (c + u) * kChunk + k8);
     }
-    commit_copies();
-    wait_copies<S - 1>();  // chunk c's group is complete
-    const uint4 lo = ring.v[slot][lane], hi = ring.v[slot][32 + lane];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
+        mma_chunk(acc[nb], lo[u], hi[u], bv);
+      }
+    }
+  }
+  for (; c < c1; ++c) {
+    const uint4 lo = load_stream(a_lo + c * kChunk + k8), hi = load_stream(a_hi + c * kChunk + k8);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8));
       mma_chunk(acc[nb], lo, hi, bv);
     }
-    slot = slot + 1 == S ? 0 : slot + 1;
-    fill = fill + 1 == S ? 0 : fill + 1;
   }
-  wait_copies<0>();
 }
 
 }  // namespace moefuse::moe::decode
