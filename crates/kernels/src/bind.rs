@@ -239,6 +239,7 @@ pub(crate) enum Call {
     RouterBackward(ffi::MoefuseRouterBwdArgs),
     ActivationForward(ffi::MoefuseActivationArgs),
     ActivationBackward(ffi::MoefuseActivationArgs),
+    ActivationBackwardRouted(ffi::MoefuseActivationRoutedArgs),
     Permute(ffi::MoefusePermuteArgs),
     GateUpFused(ffi::MoefuseGateUpArgs),
     DecodeForward(ffi::MoefuseDecodeArgs),
@@ -289,6 +290,8 @@ impl Call {
                 Call::ActivationForward(a) => ffi::moefuse_moe_activation_fwd(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::ActivationBackward(a) => ffi::moefuse_moe_activation_bwd(a, stream),
+                #[cfg(moefuse_moe_linked)]
+                Call::ActivationBackwardRouted(a) => ffi::moefuse_moe_activation_bwd_routed(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::Permute(a) => ffi::moefuse_moe_permute(a, stream),
                 #[cfg(moefuse_moe_linked)]

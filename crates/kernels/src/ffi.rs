@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 
 /// `MOEFUSE_ABI_VERSION` this crate was written against.
-pub const MOEFUSE_ABI_VERSION: u32 = 3;
+pub const MOEFUSE_ABI_VERSION: u32 = 4;
 
 /// `moefuse_status`: kept as a plain integer so an unknown value cannot be undefined behaviour.
 pub type MoefuseStatus = i32;
@@ -188,6 +188,29 @@ pub struct MoefuseRouterBwdArgs {
     pub d_topk_weights: *const f32,
     /// `[T, E]` fp32 out, every element written.
     pub d_logits: *mut f32,
+}
+
+/// `moefuse_activation_routed_args`: the routed activation backward (abi.h): `d_h_pre`
+/// from the unweighted `dh_u`, the slots' `d_weights` and the weighted `h_scaled`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseActivationRoutedArgs {
+    /// `out = d_h_pre`, `dh = dh_u`.
+    pub act: MoefuseActivationArgs,
+    /// `tokens * top_k`.
+    pub slots: i32,
+    /// 0.
+    pub reserved: i32,
+    /// `[max_rows]` slot of each expert-major row.
+    pub source_of: *const i32,
+    /// `[slots]` routing weights.
+    pub weights: *const f32,
+    /// `[slots]` out.
+    pub d_weights: *mut f32,
+    /// `[max_rows, I]` bf16 out.
+    pub h_scaled: *mut c_void,
+    /// `[1]` error bits, or null.
+    pub errors: *mut u32,
 }
 
 /// `moefuse_activation_args`: activation forward (`out = h`) or backward (`out = d_h_pre`)
@@ -482,6 +505,11 @@ extern "C" {
         args: *const MoefuseActivationArgs,
         stream: *mut c_void,
     ) -> MoefuseStatus;
+    /// `moefuse_moe_activation_bwd_routed(args, stream)`
+    pub fn moefuse_moe_activation_bwd_routed(
+        args: *const MoefuseActivationRoutedArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
     /// `moefuse_moe_scatter_columns(args, stream)`
     pub fn moefuse_moe_scatter_columns(
         args: *const MoefuseScatterColumnsArgs,
@@ -607,5 +635,9 @@ mod tests {
         assert_eq!(offset_of!(MoefuseActivationArgs, h_pre), 32);
         assert_eq!(offset_of!(MoefuseActivationArgs, dh), 40);
         assert_eq!(offset_of!(MoefuseActivationArgs, out), 48);
+        assert_eq!(size_of::<MoefuseActivationRoutedArgs>(), 104);
+        assert_eq!(offset_of!(MoefuseActivationRoutedArgs, slots), 56);
+        assert_eq!(offset_of!(MoefuseActivationRoutedArgs, source_of), 64);
+        assert_eq!(offset_of!(MoefuseActivationRoutedArgs, errors), 96);
     }
 }

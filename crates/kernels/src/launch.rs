@@ -29,8 +29,9 @@
 
 use crate::bind::Binder;
 use crate::moe_ops::{
-    Activation, ColumnsToF32, CombineBackward, CombineForward, DecodeForward, GateUpFused, Permute,
-    RouterBackward, RouterForward, ScatterColumns,
+    Activation, ActivationBackwardRouted, ColumnsToF32, CombineBackward, CombineForward,
+    DecodeForward, GatherRows, GateUpFused, Permute, RouterBackward, RouterForward,
+    ScatterColumns,
 };
 use crate::ops::{Gemm, GroupedGemm};
 use crate::{KernelError, Kernels};
@@ -74,6 +75,10 @@ pub enum Launch<'a> {
     Combine(CombineForward<'a>),
     /// `moefuse_moe_combine_bwd`.
     CombineBackward(CombineBackward<'a>),
+    /// `moefuse_moe_combine_bwd` in gather mode.
+    GatherRows(GatherRows<'a>),
+    /// `moefuse_moe_activation_bwd_routed`.
+    ActivationBackwardRouted(ActivationBackwardRouted<'a>),
 }
 
 macro_rules! launch_from {
@@ -97,7 +102,9 @@ launch_from!(
     ScatterColumns(ScatterColumns),
     ColumnsToF32(ColumnsToF32),
     Combine(CombineForward),
-    CombineBackward(CombineBackward)
+    CombineBackward(CombineBackward),
+    GatherRows(GatherRows),
+    ActivationBackwardRouted(ActivationBackwardRouted)
 );
 
 impl Launch<'_> {
@@ -117,6 +124,8 @@ impl Launch<'_> {
             Launch::ColumnsToF32(_) => "moefuse_moe_columns_to_f32".into(),
             Launch::Combine(_) => "moefuse_moe_combine".into(),
             Launch::CombineBackward(_) => "moefuse_moe_combine_bwd".into(),
+            Launch::GatherRows(_) => "moefuse_moe_combine_bwd (gather)".into(),
+            Launch::ActivationBackwardRouted(_) => "moefuse_moe_activation_bwd_routed".into(),
         }
     }
 }
@@ -163,6 +172,8 @@ impl Kernels {
             Launch::ColumnsToF32(c) => c.bind(&mut binder)?,
             Launch::Combine(c) => c.bind(&mut binder)?,
             Launch::CombineBackward(c) => c.bind(&mut binder)?,
+            Launch::GatherRows(g) => g.bind(&mut binder)?,
+            Launch::ActivationBackwardRouted(a) => a.bind(&mut binder)?,
         };
         let Some(call) = call else {
             return Ok(());

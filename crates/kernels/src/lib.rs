@@ -43,9 +43,9 @@ pub use error::{KernelError, Status};
 pub use handle::{arch_of, Kernels};
 pub use launch::Launch;
 pub use moe_ops::{
-    Activation, ActivationKind, ColumnsToF32, CombineBackward, CombineForward, DecodeForward,
-    GateUpFused, GateUpLayout, Permute, RouterBackward, RouterForward, RouterScoring,
-    ScatterColumns, DECODE_DIM_MULTIPLE,
+    Activation, ActivationBackwardRouted, ActivationKind, ColumnsToF32, CombineBackward,
+    CombineForward, DecodeForward, GatherRows, GateUpFused, GateUpLayout, Permute,
+    RouterBackward, RouterForward, RouterScoring, ScatterColumns, DECODE_DIM_MULTIPLE,
 };
 /// The facts shared with the build scripts, xtask and the C side (`moefuse-spec`): arch
 /// table, variant table, limits, grouped kinds, tile-order fields. Re-exported so a crate

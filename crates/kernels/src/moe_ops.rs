@@ -16,7 +16,7 @@ mod permute;
 pub use columns::{ColumnsToF32, ScatterColumns};
 pub use decode::{DecodeForward, DECODE_DIM_MULTIPLE};
 pub use gate_up::GateUpFused;
-pub use permute::{CombineBackward, CombineForward, Permute};
+pub use permute::{CombineBackward, CombineForward, GatherRows, Permute};
 
 /// How the router scores experts (abi.h `moefuse_router_kind`).
 ///
@@ -390,6 +390,107 @@ impl<'a> Activation<'a> {
         } else {
             Call::ActivationForward(args)
         }))
+    }
+}
+
+/// The routed activation backward (abi.h `moefuse_activation_routed_args`): from the
+/// unweighted `dh_u` and `h_pre`, `d_h_pre` of `w · dh_u`, each slot's
+/// `d_weights = <dh_u, h>` and `h_scaled = w · h` (the down wgrad's operand), with `h`
+/// recomputed as the forward stored it. `intermediate` is a multiple of 8.
+///
+/// ```no_run
+/// # use moefuse_kernels::{ActivationBackwardRouted, ActivationKind, GateUpLayout, Kernels};
+/// # use half::bf16;
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let (rows, i) = (8, 64);
+/// let (h_pre, dh) = (stream.alloc_zeros::<bf16>(rows * 2 * i)?, stream.alloc_zeros::<bf16>(rows * i)?);
+/// let source_of = stream.clone_htod(&[0i32, 1, 2, 3, 4, 5, 6, 7])?;
+/// let weights = stream.alloc_zeros::<f32>(rows)?;
+/// let (mut d_h_pre, mut h_scaled) = (stream.alloc_zeros::<bf16>(rows * 2 * i)?, stream.alloc_zeros::<bf16>(rows * i)?);
+/// let mut dw = stream.alloc_zeros::<f32>(rows)?;
+/// kernels.launch(&stream, ActivationBackwardRouted { kind: ActivationKind::SwiGlu,
+///     layout: GateUpLayout::Split, intermediate: i, max_rows: rows, total_rows: None,
+///     h_pre: &h_pre, dh_u: &dh, source_of: &source_of, weights: &weights, d_h_pre: &mut d_h_pre,
+///     d_weights: &mut dw, h_scaled: &mut h_scaled, errors: None })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct ActivationBackwardRouted<'a> {
+    /// The function.
+    pub kind: ActivationKind,
+    /// Gate/up placement (ignored by `Relu2`).
+    pub layout: GateUpLayout,
+    /// `I`, a multiple of 8.
+    pub intermediate: usize,
+    /// Rows the buffers hold (0: nothing is launched).
+    pub max_rows: usize,
+    /// `[1]` device row count (clamped to `max_rows`), or all `max_rows`.
+    pub total_rows: Option<&'a dyn DevicePtr<i32>>,
+    /// `[max_rows, W]`.
+    pub h_pre: &'a dyn DevicePtr<bf16>,
+    /// `[max_rows, I]`: the unweighted `dy · D_e` of each row.
+    pub dh_u: &'a dyn DevicePtr<bf16>,
+    /// `[max_rows]` slot (`t * top_k + j`) of each row; its length is also the slot count.
+    pub source_of: &'a dyn DevicePtr<i32>,
+    /// `[slots]` routing weights.
+    pub weights: &'a dyn DevicePtr<f32>,
+    /// `[max_rows, W]` out.
+    pub d_h_pre: &'a mut dyn DevicePtrMut<bf16>,
+    /// `[slots]` out.
+    pub d_weights: &'a mut dyn DevicePtrMut<f32>,
+    /// `[max_rows, I]` out.
+    pub h_scaled: &'a mut dyn DevicePtrMut<bf16>,
+    /// `[1]` error bits, or none.
+    pub errors: Option<&'a mut dyn DevicePtrMut<u32>>,
+}
+
+impl<'a> ActivationBackwardRouted<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (i, rows) = (self.intermediate, self.max_rows);
+        check_range(kernel, "intermediate", i as i128, 8, i32::MAX as i128)?;
+        check_multiple(kernel, "intermediate", i, 8)?;
+        let width = if self.kind.is_gated() { 2 * i } else { i };
+        check_range(kernel, "row width", width as i128, 1, i32::MAX as i128)?;
+        let (raw, alpha, limit) = self.kind.raw(kernel)?;
+        let wide = extent(kernel, "rows * W", &[rows, width])?;
+        let narrow = extent(kernel, "rows * I", &[rows, i])?;
+        let total = b.read_opt("total_rows", self.total_rows, 1, 4)?;
+        let h_pre = b.read("h_pre", self.h_pre, wide, 16)?;
+        let dh = b.read("dh_u", self.dh_u, narrow, 16)?;
+        let source_of = b.read("source_of", self.source_of, rows, 4)?;
+        let slots = self.weights.len();
+        check_range(kernel, "slots", slots as i128, 0, i32::MAX as i128)?;
+        let weights = b.read("weights", self.weights, slots, 4)?;
+        let d_h_pre = b.write("d_h_pre", self.d_h_pre, wide, 16)?;
+        let d_weights = b.write("d_weights", self.d_weights, slots, 4)?;
+        let h_scaled = b.write("h_scaled", self.h_scaled, narrow, 16)?;
+        let errors = b.write_opt("errors", self.errors, 1, 4)?;
+        if rows == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Call::ActivationBackwardRouted(ffi::MoefuseActivationRoutedArgs {
+            act: ffi::MoefuseActivationArgs {
+                activation: raw,
+                layout: self.layout.raw(),
+                intermediate: to_i32(kernel, "intermediate", i)?,
+                max_rows: to_i32(kernel, "max_rows", rows)?,
+                alpha,
+                limit,
+                total_rows: total as *const i32,
+                h_pre: h_pre as *const _,
+                dh: dh as *const _,
+                out: d_h_pre as *mut _,
+            },
+            slots: to_i32(kernel, "slots", slots)?,
+            reserved: 0,
+            source_of: source_of as *const i32,
+            weights: weights as *const f32,
+            d_weights: d_weights as *mut f32,
+            h_scaled: h_scaled as *mut _,
+            errors: errors as *mut u32,
+        })))
     }
 }
 

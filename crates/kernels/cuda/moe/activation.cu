@@ -8,6 +8,9 @@
 //        | V = 8 (16-byte loads and stores) when I % 8 == 0 and the buffers are 16-byte
 //        | aligned, else V = 1
 //
+// Routed backward (moefuse_moe_activation_bwd_routed): one warp per row, each lane 8 columns
+// at a time; the row's d_weights is the warp's fixed-order sum of its lanes' partials.
+//
 // NOTES: the row count is read on the device (the last prefix-sum offset), so the grid is
 // sized for the capacity and threads past the real rows do nothing; rows past the count are
 // never touched.
@@ -17,6 +20,13 @@
 
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
+#include "moefuse/moe_abi.h"
+
+// The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
+static_assert(sizeof(moefuse_activation_routed_args) == 104 && offsetof(moefuse_activation_routed_args, slots) == 56 &&
+                  offsetof(moefuse_activation_routed_args, source_of) == 64 &&
+                  offsetof(moefuse_activation_routed_args, errors) == 96,
+              "moefuse_activation_routed_args layout changed: update ffi.rs");
 
 namespace moefuse::moe {
 namespace {
@@ -192,6 +202,50 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Warp per row: d_h_pre = act'(h_pre) (w dh_u), d_weights[s] = <dh_u, h>, h_scaled = w h.
+__global__ void __launch_bounds__(kThreads)
+    activation_bwd_routed_kernel(Problem p, moefuse_activation_routed_args a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = rows_of(a.act.total_rows, a.act.max_rows);
+  const int64_t width = p.gated ? 2 * int64_t(p.inter) : p.inter;
+  const int chunks = p.inter / 8;
+  const auto* h_pre = static_cast<const bf16*>(a.act.h_pre);
+  const auto* dh = static_cast<const bf16*>(a.act.dh);
+  auto* d_h_pre = static_cast<bf16*>(a.act.out);
+  auto* h_scaled = static_cast<bf16*>(a.h_scaled);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5); r < rows; r += warps) {
+    const int s = a.source_of[r];
+    if (s < 0 || s >= a.slots) {
+      if (lane == 0 && a.errors != nullptr) atomicOr(a.errors, MOEFUSE_MOE_ERROR_SOURCE);
+      continue;
+    }
+    const float w = a.weights[s];
+    float dot = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
+      const int j0 = c * 8;
+      float g[8], u[8], d[8], dg[8], du[8], hw[8];
+      load_pairs<8>(p, h_pre + r * width, j0, g, u);
+      unpack8(*reinterpret_cast<const uint4*>(dh + r * p.inter + j0), d, 0);
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        const Point pt = eval(p.act, p.alpha, p.limit, g[v], u[v]);
+        // h as the forward stored it (bf16), then the two products.
+        const float h = __bfloat162float(__float2bfloat16_rn(pt.h));
+        dot += d[v] * h;
+        hw[v] = w * h;
+        dg[v] = w * d[v] * pt.dg;
+        du[v] = w * d[v] * pt.du;
+      }
+      store_pairs<8>(p, d_h_pre + r * width, j0, dg, du);
+      *reinterpret_cast<uint4*>(h_scaled + r * p.inter + j0) = pack8(hw, 0);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(~0u, dot, o);
+    if (lane == 0) a.d_weights[s] = dot;
+  }
+}
+
 moefuse_status check(const moefuse_activation_args* a, const char* name, bool backward) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
   if (a->activation < MOEFUSE_ACTIVATION_SWIGLU || a->activation > MOEFUSE_ACTIVATION_RELU2) {
@@ -271,5 +325,30 @@ extern "C" moefuse_status moefuse_moe_activation_bwd(const moefuse_activation_ar
     activation_bwd_kernel<1><<<blocks_for(int64_t(a->max_rows) * a->intermediate), kThreads, 0,
                                s>>>(p, a->max_rows, a->total_rows, in, dh, out);
   }
+  return after_launch(name);
+}
+
+extern "C" moefuse_status moefuse_moe_activation_bwd_routed(const moefuse_activation_routed_args* a,
+                                                             void* stream) {
+  const char* name = "moefuse_moe_activation_bwd_routed";
+  if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
+  moefuse_status st = check(&a->act, name, true);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  if (a->act.intermediate % 8 != 0 || a->slots < 0 || a->reserved != 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: intermediate %d (multiple of 8), slots %d, reserved %d", name,
+                a->act.intermediate, a->slots, a->reserved);
+  }
+  if (a->act.max_rows == 0) return MOEFUSE_STATUS_OK;
+  if (a->source_of == nullptr || a->weights == nullptr || a->d_weights == nullptr || a->h_scaled == nullptr) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
+  }
+  if (!aligned16(a->act.h_pre) || !aligned16(a->act.dh) || !aligned16(a->act.out) || !aligned16(a->h_scaled)) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: bf16 buffers must be 16-byte aligned", name);
+  }
+  const Problem p = problem_of(a->act);
+  const int warps_per_block = kThreads / 32;
+  const int64_t blocks = (int64_t(a->act.max_rows) + warps_per_block - 1) / warps_per_block;
+  activation_bwd_routed_kernel<<<int(blocks < kMaxBlocks ? blocks : kMaxBlocks), kThreads, 0,
+                                 static_cast<cudaStream_t>(stream)>>>(p, *a);
   return after_launch(name);
 }

@@ -202,12 +202,16 @@ __global__ void __launch_bounds__(kThreads) combine_bwd(moefuse_combine_bwd_args
     const int row = is_stale ? -1 : p.row_of[size_t(t) * k + j];
     if (uint32_t(row) >= uint32_t(p.rows)) {  // negative or past the buffers: skipped
       bad |= row != -1;
-      if (lane == 0) p.d_weights[size_t(t) * k + j] = 0.f;
+      if (lane == 0 && p.weights != nullptr) p.d_weights[size_t(t) * k + j] = 0.f;
+      continue;
+    }
+    uint4* out = reinterpret_cast<uint4*>(p.dy_perm + size_t(row) * p.hidden);
+    if (p.weights == nullptr) {  // gather mode: the row copied unweighted
+      for (int c = lane; c < n; c += 32) out[c] = __ldg(dy + c);
       continue;
     }
     const float w = p.weights[size_t(t) * k + j];
     const uint4* y = reinterpret_cast<const uint4*>(p.y + size_t(row) * p.hidden);
-    uint4* out = reinterpret_cast<uint4*>(p.dy_perm + size_t(row) * p.hidden);
     float dot = 0.f;
     for (int c = lane; c < n; c += 32) {
       const uint4 g = __ldg(dy + c);
@@ -290,7 +294,8 @@ extern "C" moefuse_status moefuse_moe_combine_bwd(const moefuse_combine_bwd_args
                 a->tokens, a->top_k, a->hidden, a->rows);
   }
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
-  if (!a->row_of || !a->weights || !a->dy || !a->d_weights || (a->rows > 0 && (!a->y || !a->dy_perm))) {
+  const bool gather = a->weights == nullptr;  // dy_perm = dy rows only
+  if (!a->row_of || !a->dy || (!gather && !a->d_weights) || (a->rows > 0 && ((!gather && !a->y) || !a->dy_perm))) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
   }
   if ((reinterpret_cast<uintptr_t>(a->dy) | reinterpret_cast<uintptr_t>(a->y) |

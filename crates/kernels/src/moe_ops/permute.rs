@@ -282,3 +282,73 @@ impl<'a> CombineBackward<'a> {
         })))
     }
 }
+
+/// Rows of a token-major matrix copied to their expert-major places: `dst[row_of[t * top_k +
+/// j]] = src[t]` for every slot whose row is in `0..rows` (`moefuse_moe_combine_bwd` in
+/// gather mode: no weights, no dot products). The backward uses it for the unweighted
+/// `dy_perm` and to regather `x_perm` from `x`. Untrusted `row_of` as for
+/// [`CombineBackward`].
+///
+/// ```no_run
+/// # use moefuse_kernels::{GatherRows, Kernels};
+/// # use half::bf16;
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// # let kernels = Kernels::new(&ctx)?;
+/// let row_of = stream.clone_htod(&[0i32, 1, 2, 3, 4, 5, 6, 7])?;
+/// let src = stream.alloc_zeros::<bf16>(4 * 64)?;
+/// let mut dst = stream.alloc_zeros::<bf16>(8 * 64)?;
+/// kernels.launch(&stream, GatherRows { tokens: 4, top_k: 2, hidden: 64, rows: 8,
+///     row_of: &row_of, src: &src, dst: &mut dst, errors: None, expect_tokens: None })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct GatherRows<'a> {
+    /// Tokens (0: nothing is launched).
+    pub tokens: usize,
+    /// Slots per token.
+    pub top_k: usize,
+    /// Row width (multiple of 8).
+    pub hidden: usize,
+    /// Rows `dst` holds.
+    pub rows: usize,
+    /// `[tokens * top_k]` expert-major rows (the permutation's).
+    pub row_of: &'a dyn DevicePtr<i32>,
+    /// `[tokens, hidden]`.
+    pub src: &'a dyn DevicePtr<bf16>,
+    /// `[rows, hidden]` out.
+    pub dst: &'a mut dyn DevicePtrMut<bf16>,
+    /// `[1]` error bits, or none.
+    pub errors: Option<&'a mut dyn DevicePtrMut<u32>>,
+    /// `[1]` the permutation's tokens stamp, or no check.
+    pub expect_tokens: Option<&'a dyn DevicePtr<u32>>,
+}
+
+impl<'a> GatherRows<'a> {
+    pub(crate) fn bind(self, b: &mut Binder<'a>) -> Result<Option<Call>, KernelError> {
+        let kernel = &b.kernel.clone();
+        let (t, k, h) = (self.tokens, self.top_k, self.hidden);
+        let (tk, rows) = check_combine(kernel, t, k, h, self.rows)?;
+        let row_of = b.read("row_of", self.row_of, tk, 4)?;
+        let src = b.read("src", self.src, extent(kernel, "src", &[t, h])?, ROW_ALIGN)?;
+        let dst = b.write("dst", self.dst, rows, ROW_ALIGN)?;
+        let errors = b.write_opt("errors", self.errors, 1, 4)?;
+        let expect = b.read_opt("expect_tokens", self.expect_tokens, 1, 4)?;
+        if t == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Call::CombineBackward(ffi::MoefuseCombineBwdArgs {
+            tokens: to_i32(kernel, "tokens", t)?,
+            top_k: to_i32(kernel, "top_k", k)?,
+            hidden: to_i32(kernel, "hidden", h)?,
+            rows: to_i32(kernel, "rows", self.rows)?,
+            row_of: row_of as *const i32,
+            weights: std::ptr::null(),
+            dy: src as *const _,
+            y: std::ptr::null(),
+            dy_perm: dst as *mut _,
+            d_weights: std::ptr::null_mut(),
+            errors: errors as *mut u32,
+            expect_tokens: expect as *const i32,
+        })))
+    }
+}

@@ -76,16 +76,16 @@ pub struct DecodeInputs<'a> {
 }
 
 /// The expert-major copies a training forward keeps for its backward, at the rows
-/// `row_of [T·k]` of the permutation gives each slot.
+/// `row_of [T·k]` of the permutation gives each slot (the layer keeps only `h_pre`).
 pub struct DecodeSaved<'a> {
     /// `[T·k]` expert-major row of each slot (the permutation's).
     pub row_of: &'a dyn DevicePtr<i32>,
     /// `[T·k, W]` pre-activation.
     pub h_pre: &'a mut dyn DevicePtrMut<bf16>,
-    /// `[T·k, I]` activation.
-    pub h: &'a mut dyn DevicePtrMut<bf16>,
-    /// `[T·k, hidden]` unweighted expert outputs.
-    pub y_e: &'a mut dyn DevicePtrMut<bf16>,
+    /// `[T·k, I]` activation, if wanted.
+    pub h: Option<&'a mut dyn DevicePtrMut<bf16>>,
+    /// `[T·k, hidden]` unweighted expert outputs, if wanted.
+    pub y_e: Option<&'a mut dyn DevicePtrMut<bf16>>,
 }
 
 /// `y[t] = Σ_j w[t,j] · bf16(act(x[t] · W_eᵀ) · D_eᵀ)` (`e = topk_ids[t, j]`; fp32 sum in
@@ -145,8 +145,8 @@ pub(super) fn decode_forward_with(
             Some(s) => (
                 Some(s.row_of as &dyn DevicePtr<i32>),
                 Some(s.h_pre as &mut dyn DevicePtrMut<bf16>),
-                Some(s.h as &mut dyn DevicePtrMut<bf16>),
-                Some(s.y_e as &mut dyn DevicePtrMut<bf16>),
+                s.h.map(|h| &mut *h as &mut dyn DevicePtrMut<bf16>),
+                s.y_e.map(|y| &mut *y as &mut dyn DevicePtrMut<bf16>),
             ),
             None => (None, None, None, None),
         };

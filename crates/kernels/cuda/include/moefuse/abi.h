@@ -17,7 +17,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct layout or launcher signature changes. */
-#define MOEFUSE_ABI_VERSION 3
+#define MOEFUSE_ABI_VERSION 4
 
 typedef enum moefuse_status {
   MOEFUSE_STATUS_OK = 0,
@@ -211,6 +211,31 @@ moefuse_status moefuse_moe_router_fwd(const moefuse_router_args* args, void* str
 moefuse_status moefuse_moe_router_bwd(const moefuse_router_bwd_args* args, void* stream);
 moefuse_status moefuse_moe_activation_fwd(const moefuse_activation_args* args, void* stream);
 moefuse_status moefuse_moe_activation_bwd(const moefuse_activation_args* args, void* stream);
+
+/*
+ * Routed activation backward (the layer's lean Training backward): for every expert-major
+ * row r < rows (rows as for moefuse_activation_args) with slot s = source_of[r] (t*top_k + j)
+ * and its routing weight w = weights[s], from the unweighted dh_u [rows, I] (= dy[t] · D_e)
+ * and h_pre [rows, W], recomputing h = bf16(act(h_pre)) in fp32 as the forward did:
+ *   d_h_pre[r] = d act(h_pre) / d h_pre applied to w * dh_u[r]        [rows, W] bf16
+ *   d_weights[s] = sum_i dh_u[r, i] * h[r, i]    (fp32, one warp per row, fixed order)
+ *   h_scaled[r] = bf16(w * h[r])                  [rows, I] (the down wgrad's operand)
+ * A source_of entry outside 0..slots-1 leaves its row's outputs untouched and raises
+ * MOEFUSE_MOE_ERROR_SOURCE in *errors (when not NULL). I % 8 == 0, 16-byte aligned bf16
+ * buffers.
+ */
+typedef struct moefuse_activation_routed_args {
+  moefuse_activation_args act; /* out = d_h_pre, dh = dh_u */
+  int32_t slots;               /* tokens * top_k: the length of weights and d_weights */
+  int32_t reserved;            /* 0 */
+  const int32_t* source_of;    /* [max_rows] */
+  const float* weights;        /* [slots] */
+  float* d_weights;            /* [slots] */
+  void* h_scaled;              /* [max_rows, I] bf16 */
+  uint32_t* errors;            /* [1] or NULL */
+} moefuse_activation_routed_args;
+
+moefuse_status moefuse_moe_activation_bwd_routed(const moefuse_activation_routed_args* args, void* stream);
 
 /* The ABI version the library was built with (MOEFUSE_ABI_VERSION). */
 uint32_t moefuse_abi_version(void);

@@ -29,7 +29,7 @@ extern "C" {
 #define MOEFUSE_MOE_ERROR_DUPLICATE 2u /* permute: a token naming one expert twice */
 #define MOEFUSE_MOE_ERROR_ROW 4u       /* combine, combine_bwd: a row_of entry outside -1..rows-1 (slot skipped) */
 #define MOEFUSE_MOE_ERROR_STALE 8u     /* combine, combine_bwd: *expect_tokens != tokens (nothing read through row_of) */
-#define MOEFUSE_MOE_ERROR_SOURCE 16u   /* gate_up fused: a source_of entry outside 0..tokens*top_k-1 (token 0 read instead) */
+#define MOEFUSE_MOE_ERROR_SOURCE 16u   /* gate_up fused: a source_of entry outside 0..tokens*top_k-1 (token 0 read instead); activation_bwd_routed: (row skipped) */
 
 /* Tokens per block of the permutation's count pass; the workspace holds one int32 count
  * per (chunk, expert): moefuse_moe_permute_workspace(tokens, experts) bytes. */
@@ -93,7 +93,9 @@ typedef struct moefuse_combine_args {
 /*
  * Combine backward: for every (t, j) with row = row_of[t*top_k + j] in 0..rows-1,
  * dy_perm[row] = w[t, j] * dy[t] (bf16) and d_weights[t, j] = <dy[t], y[row]> (fp32, fp32
- * accumulation); d_weights is 0 for skipped slots. hidden % 8 == 0. Untrusted row_of and
+ * accumulation); d_weights is 0 for skipped slots. hidden % 8 == 0.
+ * Gather mode, when weights is NULL: dy_perm[row] = dy[t] unweighted, y and d_weights are
+ * not used (may be NULL); the same kernel regathers x rows for a backward (dy = x). Untrusted row_of and
  * expect_tokens as for combine: an entry outside -1..rows-1 is skipped and raises
  * MOEFUSE_MOE_ERROR_ROW; a stale stamp writes d_weights as zeros, touches no dy_perm row
  * and raises MOEFUSE_MOE_ERROR_STALE.

@@ -1,8 +1,7 @@
 //! [`MoeLayer::forward`] and [`MoeLayer::backward`]: every host-knowable check first, then
 //! the stages in order, each wrapped by the profiler (see the parent module's docs).
 
-use super::plan::{DH, DX_PERM, DY_PERM, D_H_PRE, H, H_PRE, X_PERM, Y_E};
-use super::workspace::SlotViews;
+use super::plan::{DH, DX_PERM, DY_PERM, D_H_PRE, H, H_PRE, H_SCALED, X_AGAIN, X_PERM, Y_E};
 use super::{LastForward, Mode, MoeLayer, MoeWorkspace, Routing, RoutingState, Saved, Weights};
 use crate::gpu::{check_buffer, check_len, DecodeSaved, Gradients};
 use crate::{model::check_routing, MoeError, RouterKind};
@@ -51,25 +50,36 @@ impl MoeLayer {
             return self.forward_decode(weights, x, tokens, routing, y, workspace);
         }
         let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
-        let (cx, g, lens) = (cx!(self), &self.gemms, self.plan.forward_slots());
+        let (cx, g, layout) = (cx!(self), &self.gemms, self.plan.forward_layout());
         let RoutingState {
             ids,
             weights: wts,
             perm,
         } = &mut self.routing;
-        let (mut acts, logits) = match &mut self.saved {
-            Some(Saved { logits, acts }) => {
-                (SlotViews::new(acts.each_mut(), lens), logits.as_mut())
-            }
-            None => (workspace.slots(lens), None),
+        // Training keeps h_pre in the layer (and a copy of x); everything else is scratch.
+        let (mut acts, logits, saved_x) = match &mut self.saved {
+            Some(Saved {
+                logits,
+                x: sx,
+                h_pre,
+                identity,
+            }) => (
+                workspace.slots_with(layout, H_PRE, h_pre),
+                logits.as_mut(),
+                Some((sx, &*identity)),
+            ),
+            None => (workspace.slots(layout), None, None),
         };
         let (p, s, gws) = (&mut self.profile, cx.stream, &mut self.gemm_ws);
         p.begin(s)?;
+        if let Some((sx, identity)) = saved_x {
+            let copy = cx.gather_rows(t, 1, identity, x, sx, &mut perm.errors, false);
+            p.stage(s, "save x", copy)?;
+        }
         let r = p.stage(s, "route", cx.route(t, routing, w, ids, wts, logits, keep))?;
-        // Fused (sm_90a): x is gathered inside the gate_up GEMM, so the permutation writes
-        // x_perm only for the backward's wgrad (Training), and the activation runs in the
-        // GEMM's epilogue.
-        let (fused, gather) = (self.fused_gate_up, !self.fused_gate_up || keep);
+        // Fused (sm_90a): x is gathered inside the gate_up GEMM (no x_perm), and the
+        // activation runs in the GEMM's epilogue.
+        let (fused, gather) = (self.fused_gate_up, !self.fused_gate_up);
         let mut x_perm = acts.get_mut(X_PERM);
         let x_perm = gather.then_some(&mut x_perm as &mut dyn DevicePtrMut<bf16>);
         let permute = cx.permute(t, r.ids, x, perm, x_perm);
@@ -110,10 +120,10 @@ impl MoeLayer {
         Ok(())
     }
 
-    /// The forward of few tokens (see [`MoeLayer::decode_path`]): route, then (Training)
-    /// the permutation with the gather of `x_perm`, then the two decode kernels, which in
-    /// Training also write the `h_pre`, `h` and `y_e` rows the backward reads. The slot-major
-    /// `h` they pass between them lives in the workspace.
+    /// The forward of few tokens (see [`MoeLayer::decode_path`]): (Training) the copy of
+    /// `x`, route, then (Training) the permutation, then the two decode kernels, which in
+    /// Training also write the `h_pre` rows the backward reads. The slot-major `h` they
+    /// pass between them lives in the workspace.
     fn forward_decode(
         &mut self,
         w: &Weights<'_>,
@@ -123,31 +133,41 @@ impl MoeLayer {
         y: &mut dyn DevicePtrMut<bf16>,
         workspace: &mut MoeWorkspace,
     ) -> Result<(), MoeError> {
-        let (cx, lens) = (cx!(self), self.plan.forward_slots());
+        let (cx, layout) = (cx!(self), self.plan.forward_layout());
         let keep = self.mode == Mode::Training;
         let RoutingState {
             ids,
             weights: wts,
             perm,
         } = &mut self.routing;
-        let (mut acts, logits) = match &mut self.saved {
-            Some(Saved { logits, acts }) => (Some(acts.each_mut()), logits.as_mut()),
+        let (mut saved, logits) = match &mut self.saved {
+            Some(Saved {
+                logits,
+                x: sx,
+                h_pre,
+                identity,
+            }) => (Some((sx, h_pre, &*identity)), logits.as_mut()),
             None => (None, None),
         };
-        let mut scratch = workspace.slots(lens);
+        let mut scratch = workspace.slots(layout);
         let mut h = scratch.get_mut(H);
         let (p, s) = (&mut self.profile, cx.stream);
         p.begin(s)?;
+        if let Some((sx, _, identity)) = &mut saved {
+            let copy = cx.gather_rows(t, 1, identity, x, &mut **sx, &mut perm.errors, false);
+            p.stage(s, "save x", copy)?;
+        }
         let r = p.stage(s, "route", cx.route(t, routing, w, ids, wts, logits, keep))?;
-        let saved = match &mut acts {
-            Some([x_perm, h_pre, h_saved, y_e]) => {
-                let permute = cx.permute(t, r.ids, x, perm, Some(&mut **x_perm));
-                p.stage(s, "permute+gather", permute)?;
+        // Training: the permutation (its rows are the backward's) and h_pre at those rows.
+        let saved = match saved {
+            Some((_, h_pre, _)) => {
+                let permute = cx.permute(t, r.ids, x, perm, None);
+                p.stage(s, "permute", permute)?;
                 Some(DecodeSaved {
                     row_of: &perm.row_of,
-                    h_pre: &mut **h_pre,
-                    h: &mut **h_saved,
-                    y_e: &mut **y_e,
+                    h_pre: &mut *h_pre,
+                    h: None,
+                    y_e: None,
                 })
             }
             None => None,
@@ -212,37 +232,39 @@ impl MoeLayer {
             weights: wts,
             perm,
         } = &mut self.routing;
-        let (off, row_of, errors) = (&perm.offsets, &perm.row_of, &mut perm.errors);
-        let (mut sc, s) = (workspace.slots(self.plan.backward_slots()), cx.stream);
+        let (k, s, layout) = (self.plan.config().top_k, cx.stream, self.plan.backward_layout());
         p.begin(s)?;
-        let (mut dy_perm, dtw) = (sc.get_mut(DY_PERM), &mut grads.d_topk_weights);
-        let y_e = &sv.acts[Y_E];
-        let comb = cx.combine_backward(t, row_of, wts, dy, y_e, &mut dy_perm, dtw, errors);
-        p.stage(s, "combine bwd", comb)?;
-        let (dy_perm, mut dh) = sc.io(DY_PERM, DH);
-        let dgrad = cx.gemm(&g.down_dgrad, off, &dy_perm, &w.down, &mut dh, gws);
-        p.stage(s, "down dgrad", dgrad)?;
-        let (h, d_down) = (&sv.acts[H], &mut grads.d_down);
-        let wgrad = cx.gemm(&g.down_wgrad[acc], off, &dy_perm, h, d_down, gws);
-        p.stage(s, "down wgrad", wgrad)?;
-        let (dh, mut d_h_pre) = sc.io(DH, D_H_PRE);
-        let act = cx.activation_backward(off, &sv.acts[H_PRE], &dh, &mut d_h_pre);
-        p.stage(s, "activation bwd", act)?;
-        let (d_h_pre, mut dx_perm) = sc.io(D_H_PRE, DX_PERM);
-        let dgrad = cx.gemm(
-            &g.gate_up_dgrad,
-            off,
-            &d_h_pre,
-            &w.gate_up,
-            &mut dx_perm,
-            gws,
-        );
-        p.stage(s, "gate_up dgrad", dgrad)?;
-        let (x_perm, d_gate_up) = (&sv.acts[X_PERM], &mut grads.d_gate_up);
-        let wgrad = cx.gemm(&g.gate_up_wgrad[acc], off, &d_h_pre, x_perm, d_gate_up, gws);
-        p.stage(s, "gate_up wgrad", wgrad)?;
-        let dx_combine = cx.combine(t, row_of, None, &sc.get(DX_PERM), dx, errors, true);
-        p.stage(s, "dx combine", dx_combine)?;
+        workspace.with_slots(layout, |mut sc| -> Result<(), MoeError> {
+            let row_of = &perm.row_of;
+            let mut x_perm = sc.get_mut(X_AGAIN);
+            let regather = cx.gather_rows(t, k, row_of, &sv.x, &mut x_perm, &mut perm.errors, true);
+            p.stage(s, "x regather", regather)?;
+            let mut dy_perm = sc.get_mut(DY_PERM);
+            let gather = cx.gather_rows(t, k, row_of, dy, &mut dy_perm, &mut perm.errors, true);
+            p.stage(s, "dy gather", gather)?;
+            let (dy_perm, mut dh) = sc.io(DY_PERM, DH);
+            let dgrad = cx.gemm(&g.down_dgrad, &perm.offsets, &dy_perm, &w.down, &mut dh, gws);
+            p.stage(s, "down dgrad", dgrad)?;
+            let (dh, [mut d_h_pre, mut h_scaled]) = sc.read_write2(DH, [D_H_PRE, H_SCALED]);
+            let dtw = &mut grads.d_topk_weights;
+            let (hp, hs) = (&sv.h_pre, &mut h_scaled);
+            let act = cx.activation_backward_routed(perm, t, hp, wts, &dh, &mut d_h_pre, hs, dtw);
+            p.stage(s, "activation bwd (routed)", act)?;
+            let off = &perm.offsets;
+            let (dy_perm, h_scaled) = (sc.get(DY_PERM), sc.get(H_SCALED));
+            let wgrad = cx.gemm(&g.down_wgrad[acc], off, &dy_perm, &h_scaled, &mut grads.d_down, gws);
+            p.stage(s, "down wgrad", wgrad)?;
+            let (d_h_pre, mut dx_perm) = sc.io(D_H_PRE, DX_PERM);
+            let dgrad = cx.gemm(&g.gate_up_dgrad, off, &d_h_pre, &w.gate_up, &mut dx_perm, gws);
+            p.stage(s, "gate_up dgrad", dgrad)?;
+            let (d_h_pre, x_perm) = (sc.get(D_H_PRE), sc.get(X_AGAIN));
+            let wgrad = cx.gemm(&g.gate_up_wgrad[acc], off, &d_h_pre, &x_perm, &mut grads.d_gate_up, gws);
+            p.stage(s, "gate_up wgrad", wgrad)?;
+            let errors = &mut perm.errors;
+            let dx_combine = cx.combine(t, &perm.row_of, None, &sc.get(DX_PERM), dx, errors, true);
+            p.stage(s, "dx combine", dx_combine)?;
+            Ok(())
+        })?;
         if let (true, Some(logits)) = (last.routed, &sv.logits) {
             let (dtw, dl) = (&grads.d_topk_weights, &mut grads.d_logits);
             p.stage(s, "router bwd", cx.route_backward(t, logits, ids, dtw, dl))?;

@@ -54,20 +54,20 @@ impl fmt::Display for Mode {
 ///
 /// | field | Inference | Training |
 /// |---|---|---|
-/// | `activations` | 0 | `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]`: `R·(2D + W + I)·2` |
+/// | `activations` | 0 | `x [T, D]` and `h_pre [R, W]` (bf16): `(T·D + R·W)·2` |
 /// | `logits` | 0 | router logits `[T, E]` f32 when the layer routes (`Routing::Logits`) |
-/// | `routing` | ids, weights `[T, k]`, the permutation (`row_of`, `source_of`, offsets, scratch): `O(T·k)` | the same; the backward reads it |
+/// | `routing` | ids, weights `[T, k]`, the permutation (`row_of`, `source_of`, offsets, scratch): `O(T·k)` | the same plus `T` identity rows (the copy of `x`); the backward reads it |
 /// | `gemm_workspace` | the forward GEMMs' (device-queried, a few hundred bytes per expert) | forward and backward GEMMs' |
 ///
-/// The fused kernels (gather in the gate_up producer, activation in its epilogue, weight
-/// scale in the down epilogue) drop `x_perm`, `h` and `y_e` from Training: it then keeps
-/// `h_pre` and the routing, `R·W·2` bytes plus `O(T·k)`.
+/// The backward recomputes the rest in the workspace: `x_perm` regathered from `x`, `h`
+/// from `h_pre` (in the routed activation backward), and no `y_e` at all:
+/// `d_topk_weights = ⟨dy · D_e, h⟩` (= `⟨dy, y_e⟩`).
 ///
 /// ```
 /// use moefuse::gpu::{Mode, MoePlan};
 /// let plan = MoePlan::new(moefuse::MoeConfig::new(2048, 768, 128, 8), 8192)?;
 /// let m = plan.memory(Mode::Training);
-/// assert_eq!(m.activations, 65536 * (2 * 2048 + 1536 + 768) * 2); // 800 MiB
+/// assert_eq!(m.activations, (8192 * 2048 + 65536 * 1536) * 2); // 224 MiB
 /// assert_eq!(plan.memory(Mode::Inference).saved_for_backward(), 0);
 /// # Ok::<(), moefuse::MoeError>(())
 /// ```
@@ -137,21 +137,47 @@ impl fmt::Display for LayerMemory {
     }
 }
 
-/// The element counts of one pass's four expert-major bf16 intermediates, in order of
-/// use. Slots 0 and 2 share workspace region A, slots 1 and 3 region B: each slot is dead
-/// before the slot after next is written.
-pub(super) type Slots = [usize; 4];
+/// Where one pass keeps its expert-major bf16 intermediates: slot `s` holds `lens[s]`
+/// elements in workspace region `at[s]`. Slots that share a region are never live at
+/// once (each is dead before the next one in its region is written).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Layout<const N: usize> {
+    pub(super) lens: [usize; N],
+    pub(super) at: [usize; N],
+}
 
-/// The forward's intermediates, in [`Slots`] order.
+impl<const N: usize> Layout<N> {
+    /// Element counts of the regions: each the largest slot it holds.
+    pub(super) fn regions(&self) -> Vec<usize> {
+        let count = self.at.iter().max().map_or(0, |m| m + 1);
+        let mut r = vec![0; count];
+        for (len, at) in self.lens.iter().zip(self.at) {
+            r[at] = r[at].max(*len);
+        }
+        r
+    }
+
+    /// Bytes of all regions.
+    pub(super) fn bytes(&self) -> usize {
+        self.regions().iter().sum::<usize>() * 2
+    }
+}
+
+/// The forward's intermediates (regions: `x_perm`/`h`, `h_pre`/`y_e`). In Training
+/// `h_pre` is the layer's saved buffer instead of its workspace slot.
 pub(super) const X_PERM: usize = 0;
 pub(super) const H_PRE: usize = 1;
 pub(super) const H: usize = 2;
 pub(super) const Y_E: usize = 3;
-/// The backward's scratch, in [`Slots`] order.
-pub(super) const DY_PERM: usize = 0;
-pub(super) const DH: usize = 1;
-pub(super) const D_H_PRE: usize = 2;
-pub(super) const DX_PERM: usize = 3;
+/// The backward's scratch: `x_perm` regathered from the saved `x`, the unweighted
+/// `dy_perm` (then `dx_perm` in its region), `dh = dy_perm · D_e`, `h_scaled = w · h`,
+/// `d_h_pre`.
+pub(super) const X_AGAIN: usize = 0;
+pub(super) const DY_PERM: usize = 1;
+pub(super) const DH: usize = 2;
+pub(super) const H_SCALED: usize = 3;
+pub(super) const D_H_PRE: usize = 4;
+pub(super) const DX_PERM: usize = 5;
 
 /// A validated layer shape with every buffer sized, computed on the host with no device,
 /// no allocation and no launch ([`MoePlan::new`]). One plan serves any number of layers
@@ -236,40 +262,45 @@ impl MoePlan {
     /// `mode`. Its content is scratch within one call, so every layer on one stream can
     /// share one workspace of the largest size their plans ask.
     ///
-    /// Today both modes ask `R·(max(D, I) + max(W, D))·2`: Inference holds the forward's
-    /// `x_perm`/`h` (region A) and `h_pre`/`y_e` (region B) there; Training holds the
-    /// backward's `dy_perm`/`d_h_pre` and `dh`/`dx_perm` there (its forward writes into the
-    /// layer's saved state and leaves the workspace alone).
+    /// Inference holds the forward's `x_perm`/`h` and `h_pre`/`y_e` there:
+    /// `R·(max(D, I) + max(W, D))·2` bytes. Training's forward uses the same (its `h_pre`
+    /// is saved in the layer instead) and its backward `R·(2D + 2I + W)·2`: `x_perm`
+    /// regathered from the saved `x`, `dy_perm` then `dx_perm`, `dh`, `w·h` and `d_h_pre`;
+    /// the larger of the two.
     ///
     /// ```
     /// # use moefuse::{gpu::{Mode, MoePlan}, MoeConfig};
     /// let plan = MoePlan::new(MoeConfig::new(128, 64, 8, 2), 10)?; // D 128, I 64, W 128
-    /// assert_eq!(plan.workspace_bytes(Mode::Training), 20 * (128 + 128) * 2);
+    /// assert_eq!(plan.workspace_bytes(Mode::Inference), 20 * (128 + 128) * 2);
+    /// assert_eq!(plan.workspace_bytes(Mode::Training), 20 * (2 * 128 + 2 * 64 + 128) * 2);
     /// # Ok::<(), moefuse::MoeError>(())
     /// ```
     pub fn workspace_bytes(&self, mode: Mode) -> usize {
-        let slots = match mode {
-            Mode::Inference => self.forward_slots(),
-            Mode::Training => self.backward_slots(),
-        };
-        regions(&slots).iter().sum::<usize>() * 2
+        let forward = self.forward_layout().bytes();
+        match mode {
+            Mode::Inference => forward,
+            Mode::Training => forward.max(self.backward_layout().bytes()),
+        }
     }
 
     /// The memory a layer of this plan holds in `mode` (see [`LayerMemory`]), without the
-    /// GEMM workspace, which [`MoeLayer::memory`](super::MoeLayer::memory) adds.
+    /// GEMM workspace, which [`MoeLayer::memory`](super::MoeLayer::memory) adds. Training
+    /// saves `x [T_max, D]` and `h_pre [R, W]` (bf16) and, when the layer routes, the
+    /// logits; the backward recomputes the rest.
     ///
     /// ```
     /// # use moefuse::{gpu::{Mode, MoePlan}, MoeConfig, RouterKind};
     /// let cfg = MoeConfig::new(64, 64, 4, 2).with_router(RouterKind::External);
     /// let m = MoePlan::new(cfg, 16)?.memory(Mode::Training);
-    /// assert_eq!((m.activations, m.logits), (32 * (2 * 64 + 128 + 64) * 2, 0));
+    /// assert_eq!((m.activations, m.logits), ((16 * 64 + 32 * 128) * 2, 0));
     /// # Ok::<(), moefuse::MoeError>(())
     /// ```
     pub fn memory(&self, mode: Mode) -> LayerMemory {
         let (r, e) = (self.rows, self.cfg.experts);
         let training = mode == Mode::Training;
         let activations = if training {
-            self.forward_slots().iter().sum::<usize>() * 2
+            let [x, h_pre] = self.saved_lens();
+            (x + h_pre) * 2
         } else {
             0
         };
@@ -279,8 +310,10 @@ impl MoePlan {
             0
         };
         // ids, weights, row_of, source_of [R] (4 bytes each); counts, offsets [E]; the
-        // error word and stamp (2 u32); the permutation's scratch.
-        let routing = 4 * r * 4 + 2 * e * 4 + 8 + self.permute_words * 4;
+        // error word and stamp (2 u32); the permutation's scratch; in Training the
+        // identity rows that save x ([T_max] i32).
+        let identity = if training { self.max_tokens * 4 } else { 0 };
+        let routing = 4 * r * 4 + 2 * e * 4 + 8 + self.permute_words * 4 + identity;
         LayerMemory {
             mode,
             activations,
@@ -290,16 +323,28 @@ impl MoePlan {
         }
     }
 
-    /// The elements of `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]`.
-    pub(super) fn forward_slots(&self) -> Slots {
-        let (r, d, i, w) = self.dims();
-        [r * d, r * w, r * i, r * d]
+    /// The element counts of what Training saves: `x [T_max, D]`, `h_pre [R, W]`.
+    pub(super) fn saved_lens(&self) -> [usize; 2] {
+        let (r, d, _, w) = self.dims();
+        [self.max_tokens * d, r * w]
     }
 
-    /// The elements of `dy_perm [R, D]`, `dh [R, I]`, `d_h_pre [R, W]`, `dx_perm [R, D]`.
-    pub(super) fn backward_slots(&self) -> Slots {
+    /// `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]` in two regions.
+    pub(super) fn forward_layout(&self) -> Layout<4> {
         let (r, d, i, w) = self.dims();
-        [r * d, r * i, r * w, r * d]
+        Layout {
+            lens: [r * d, r * w, r * i, r * d],
+            at: [0, 1, 0, 1],
+        }
+    }
+
+    /// `x_perm`, `dy_perm`, `dh`, `h_scaled`, `d_h_pre`, `dx_perm` (in `dy_perm`'s region).
+    pub(super) fn backward_layout(&self) -> Layout<6> {
+        let (r, d, i, w) = self.dims();
+        Layout {
+            lens: [r * d, r * d, r * i, r * i, r * w, r * d],
+            at: [0, 1, 2, 3, 4, 1],
+        }
     }
 
     /// `1 <= tokens <= max_tokens`, else [`MoeError::TokensOutOfRange`].
@@ -318,11 +363,6 @@ impl MoePlan {
         let c = &self.cfg;
         (self.rows, c.hidden, c.intermediate, c.gate_up_width())
     }
-}
-
-/// The element counts of regions A (slots 0 and 2) and B (slots 1 and 3).
-pub(super) fn regions(slots: &Slots) -> [usize; 2] {
-    [slots[0].max(slots[2]), slots[1].max(slots[3])]
 }
 
 #[cfg(test)]
@@ -384,22 +424,26 @@ mod tests {
         let r = 65536;
         assert_eq!(plan.rows(), r);
         let train = plan.memory(Mode::Training);
-        assert_eq!(train.activations, 800 * MIB);
+        // Saved: x [8192, 2048] (32 MiB) and h_pre [R, 1536] (192 MiB), bf16.
+        assert_eq!(train.activations, 224 * MIB);
         assert_eq!(train.logits, 4 * MIB);
         // ids, weights, row_of, source_of: 4 × 256 KiB; counts, offsets: 1 KiB; 8 bytes;
-        // permute scratch: 32 chunks × 128 experts × 4 bytes.
-        assert_eq!(train.routing, 4 * r * 4 + 1024 + 8 + 32 * 128 * 4);
-        assert_eq!(train.saved_for_backward(), 804 * MIB + train.routing);
+        // permute scratch: 32 chunks × 128 experts × 4 bytes; identity rows: 32 KiB.
+        let routing = 4 * r * 4 + 1024 + 8 + 32 * 128 * 4;
+        assert_eq!(train.routing, routing + 8192 * 4);
+        assert_eq!(train.saved_for_backward(), 228 * MIB + train.routing);
+        assert!(train.saved_for_backward() <= 260_000_000, "issue 12's memory target");
         let inf = plan.memory(Mode::Inference);
         assert_eq!((inf.activations, inf.logits), (0, 0));
         assert_eq!(inf.saved_for_backward(), 0);
-        assert_eq!(inf.routing, train.routing);
+        assert_eq!(inf.routing, routing);
         assert_eq!(inf.total(), inf.routing);
-        // The workspace: two regions of R·2048 bf16 each, in both modes.
+        // The workspace: two regions of R·2048 bf16 for the forward; the backward's five
+        // regions R·(2·2048 + 2·768 + 1536).
         assert_eq!(plan.workspace_bytes(Mode::Inference), 512 * MIB);
-        assert_eq!(plan.workspace_bytes(Mode::Training), 512 * MIB);
+        assert_eq!(plan.workspace_bytes(Mode::Training), 896 * MIB);
         let text = train.to_string();
-        assert!(text.starts_with("training: 805.0 MiB saved"), "{text}");
+        assert!(text.starts_with("training: 229.0 MiB saved"), "{text}");
     }
 
     #[test]
@@ -424,7 +468,8 @@ mod tests {
         let cfg = MoeConfig::new(128, 64, 8, 2).with_router(RouterKind::External);
         let plan = MoePlan::new(cfg, 10).unwrap();
         assert_eq!(plan.memory(Mode::Training).logits, 0);
-        assert_eq!(plan.memory(Mode::Training).activations, 20 * 448 * 2);
+        // x [10, 128] and h_pre [20, 128].
+        assert_eq!(plan.memory(Mode::Training).activations, (10 * 128 + 20 * 128) * 2);
     }
 
     #[test]
@@ -436,20 +481,27 @@ mod tests {
             MoeConfig::new(128, 192, 4, 1).with_activation(Activation::Relu2),
         ] {
             let plan = MoePlan::new(cfg, 7).unwrap();
-            for (mode, slots) in [
-                (Mode::Inference, plan.forward_slots()),
-                (Mode::Training, plan.backward_slots()),
+            let (fwd, bwd) = (plan.forward_layout(), plan.backward_layout());
+            for (lens, at, regions) in [
+                (&fwd.lens[..], &fwd.at[..], fwd.regions()),
+                (&bwd.lens[..], &bwd.at[..], bwd.regions()),
             ] {
-                let [a, b] = regions(&slots);
-                assert!(a >= slots[0] && a >= slots[2] && b >= slots[1] && b >= slots[3]);
-                assert_eq!(plan.workspace_bytes(mode), (a + b) * 2);
-                // Never more than the four slots apart, never less than the two largest.
-                assert!(a + b <= slots.iter().sum());
+                for (len, a) in lens.iter().zip(at) {
+                    assert!(regions[*a] >= *len);
+                }
+                // Never more than the slots apart.
+                assert!(regions.iter().sum::<usize>() <= lens.iter().sum());
             }
+            assert_eq!(plan.workspace_bytes(Mode::Inference), fwd.bytes());
+            assert_eq!(
+                plan.workspace_bytes(Mode::Training),
+                fwd.bytes().max(bwd.bytes())
+            );
         }
         let plan = MoePlan::new(MoeConfig::new(64, 256, 4, 2), 7).unwrap();
         // D 64, I 256, W 512, R 14: forward A = max(D, I), B = max(W, D).
         assert_eq!(plan.workspace_bytes(Mode::Inference), 14 * (256 + 512) * 2);
-        assert_eq!(plan.workspace_bytes(Mode::Training), 14 * (512 + 256) * 2);
+        // Backward: 2D + 2I + W = 128 + 512 + 512.
+        assert_eq!(plan.workspace_bytes(Mode::Training), 14 * (128 + 512 + 512) * 2);
     }
 }

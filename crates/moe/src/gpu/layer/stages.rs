@@ -5,17 +5,17 @@
 //! more; the passes have checked everything host-knowable before the first stage runs.
 
 use super::{MoePlan, Routing, Weights};
-use crate::gpu::activation::{activation_backward_with, activation_forward_with};
+use crate::gpu::activation::activation_forward_with;
 use crate::gpu::decode::{decode_forward_with, DecodeInputs, DecodeSaved};
 use crate::gpu::fused::{gate_up_fused_with, GateUpInputs};
-use crate::gpu::permute::{combine_backward_impl, combine_impl, permute_with};
+use crate::gpu::permute::{combine_impl, permute_with};
 use crate::gpu::router::{route_backward_with, route_with};
 use crate::gpu::{ActivationDesc, DeviceErrors, PermuteBuffers, Rows};
 use crate::MoeError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moefuse_grouped_gemm::{GroupedGemm, GroupedPlan};
-use moefuse_kernels::Kernels;
+use moefuse_kernels::{self as mk, Kernels};
 use std::sync::Arc;
 
 /// What every stage shares: the plan, the stream, the one kernel handle, the GEMMs and
@@ -226,20 +226,6 @@ impl Cx<'_> {
         activation_forward_with(self.kernels(), self.act, self.stream, rows, h_pre, h)
     }
 
-    /// `d_h_pre` from `dh` and the saved `h_pre` over the routed rows.
-    pub(super) fn activation_backward(
-        &self,
-        offsets: &CudaSlice<i32>,
-        h_pre: &dyn DevicePtr<bf16>,
-        dh: &dyn DevicePtr<bf16>,
-        d_h_pre: &mut dyn DevicePtrMut<bf16>,
-    ) -> Result<(), MoeError> {
-        let last = offsets.slice(self.plan.config().experts - 1..);
-        let rows = self.rows(&last);
-        let (k, s) = (self.kernels(), self.stream);
-        activation_backward_with(k, self.act, s, rows, h_pre, dh, d_h_pre)
-    }
-
     /// `out[t] = Σ_slot w · rows[row_of[t, slot]]` (unweighted without `weights`); with
     /// `stamp`, checked on the device against the permutation's token count.
     #[allow(clippy::too_many_arguments)]
@@ -270,36 +256,78 @@ impl Cx<'_> {
         )
     }
 
-    /// `dy_perm[row] = w · dy[t]` and `d_topk_weights = ⟨dy[t], y_e[row]⟩`, stamp-checked.
+    /// `dst[row_of[t·k + j]] = src[t]` for the `t` tokens (`k` slots each; `k = 1` with
+    /// the identity rows copies `src`); with `stamp`, checked on the device against the
+    /// permutation's token count.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn combine_backward(
+    pub(super) fn gather_rows(
         &self,
         t: usize,
+        k: usize,
         row_of: &CudaSlice<i32>,
-        weights: &CudaSlice<f32>,
-        dy: &dyn DevicePtr<bf16>,
-        y_e: &dyn DevicePtr<bf16>,
-        dy_perm: &mut dyn DevicePtrMut<bf16>,
-        d_topk_weights: &mut CudaSlice<f32>,
+        src: &dyn DevicePtr<bf16>,
+        dst: &mut dyn DevicePtrMut<bf16>,
         errors: &mut DeviceErrors,
+        stamp: bool,
+    ) -> Result<(), MoeError> {
+        let d = self.plan.config().hidden;
+        let rows = dst.len() / d;
+        let (mut bits, tokens_stamp) = errors.words.split_at_mut(1);
+        self.gemm.kernels().launch(
+            self.stream,
+            mk::GatherRows {
+                tokens: t,
+                top_k: k,
+                hidden: d,
+                rows,
+                row_of,
+                src,
+                dst,
+                errors: Some(&mut bits),
+                expect_tokens: stamp.then_some(&tokens_stamp as &dyn DevicePtr<u32>),
+            },
+        )?;
+        Ok(())
+    }
+
+    /// The routed activation backward over the routed rows: `d_h_pre` of `w · dh_u`,
+    /// `d_topk_weights[s] = ⟨dh_u, h⟩` and `h_scaled = w · h` (`h` recomputed from `h_pre`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn activation_backward_routed(
+        &self,
+        perm: &mut PermuteBuffers,
+        t: usize,
+        h_pre: &dyn DevicePtr<bf16>,
+        weights: &CudaSlice<f32>,
+        dh_u: &dyn DevicePtr<bf16>,
+        d_h_pre: &mut dyn DevicePtrMut<bf16>,
+        h_scaled: &mut dyn DevicePtrMut<bf16>,
+        d_topk_weights: &mut CudaSlice<f32>,
     ) -> Result<(), MoeError> {
         let c = self.plan.config();
-        let (k, d, s) = (c.top_k, c.hidden, self.stream);
-        combine_backward_impl(
-            self.kernels(),
-            s,
-            t,
-            k,
-            d,
-            row_of,
-            weights,
-            dy,
-            y_e,
-            dy_perm,
-            d_topk_weights,
-            errors,
-            true,
-        )
+        let slots = t * c.top_k;
+        let (kind, layout) = self.act.kernel_kind();
+        let last = perm.offsets.slice(c.experts - 1..);
+        let (mut bits, _) = perm.errors.words.split_at_mut(1);
+        self.gemm.kernels().launch(
+            self.stream,
+            mk::ActivationBackwardRouted {
+                kind,
+                layout,
+                intermediate: c.intermediate,
+                max_rows: self.plan.rows(),
+                total_rows: Some(&last),
+                h_pre,
+                dh_u,
+                source_of: &perm.source_of,
+                weights: &weights.slice(..slots),
+                d_h_pre,
+                d_weights: &mut d_topk_weights.slice_mut(..slots),
+                h_scaled,
+                errors: Some(&mut bits),
+            },
+        )?;
+        Ok(())
     }
 
     /// `d_logits` from `d_topk_weights` through the router (the selection held constant).

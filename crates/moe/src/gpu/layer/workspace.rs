@@ -1,7 +1,7 @@
 //! [`MoeWorkspace`]: the caller's device scratch that layers share, and the views a pass
 //! carves from it (or from a layer's saved state) for its four expert-major intermediates.
 
-use super::plan::{regions, Slots};
+use super::plan::Layout;
 use crate::gpu::check_device;
 use crate::MoeError;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
@@ -67,38 +67,68 @@ impl MoeWorkspace {
         check_device("workspace", &self.buf, stream)
     }
 
-    /// The four slots of `lens` in two regions of this workspace (slots 0, 2 in A; 1, 3
-    /// in B). Checked by [`MoeWorkspace::check`] against the plan before the call.
-    pub(super) fn slots(&mut self, lens: Slots) -> SlotViews<'_> {
-        let [a, _] = regions(&lens);
-        let (ra, rb) = self.buf.split_at_mut(a);
+    /// The slots of a two-region `layout` (the forward's) in this workspace. Checked by
+    /// [`MoeWorkspace::check`] against the plan before the call.
+    pub(super) fn slots(&mut self, layout: Layout<4>) -> SlotViews<'_, 4> {
+        let regions = layout.regions();
+        assert_eq!(regions.len(), 2, "the forward's layout has two regions");
+        let (ra, rb) = self.buf.split_at_mut(regions[0]);
         SlotViews {
             bufs: vec![ra, rb],
-            at: [0, 1, 0, 1],
-            lens,
+            at: layout.at,
+            lens: layout.lens,
         }
+    }
+
+    /// `f` on the slots of `layout` (up to six regions: the backward's) in this workspace.
+    /// (cudarc splits a view by borrowing it, so the regions live in this call's frame.)
+    pub(super) fn with_slots<const N: usize, R>(
+        &mut self,
+        layout: Layout<N>,
+        f: impl FnOnce(SlotViews<'_, N>) -> R,
+    ) -> R {
+        let regions = layout.regions();
+        assert!(regions.len() <= 6, "at most six regions");
+        let len = |i: usize| regions.get(i).copied().unwrap_or(0);
+        let mut v0 = self.buf.as_view_mut();
+        let (r0, mut v1) = v0.split_at_mut(len(0));
+        let (r1, mut v2) = v1.split_at_mut(len(1));
+        let (r2, mut v3) = v2.split_at_mut(len(2));
+        let (r3, mut v4) = v3.split_at_mut(len(3));
+        let (r4, mut v5) = v4.split_at_mut(len(4));
+        let (r5, _) = v5.split_at_mut(len(5));
+        let mut bufs = vec![r0, r1, r2, r3, r4, r5];
+        bufs.truncate(regions.len());
+        f(SlotViews {
+            bufs,
+            at: layout.at,
+            lens: layout.lens,
+        })
+    }
+
+    /// [`MoeWorkspace::slots`] with slot `slot` in `own` instead (a layer's saved buffer).
+    pub(super) fn slots_with<'a>(
+        &'a mut self,
+        layout: Layout<4>,
+        slot: usize,
+        own: &'a mut CudaSlice<bf16>,
+    ) -> SlotViews<'a, 4> {
+        let mut views = self.slots(layout);
+        views.at[slot] = views.bufs.len();
+        views.bufs.push(own.as_view_mut());
+        views
     }
 }
 
-/// A pass's four bf16 intermediates as views: each slot `s` is the first `lens[s]`
-/// elements of buffer `at[s]`. From a workspace, slots share two buffers; from a layer's
-/// saved state, each has its own.
-pub(super) struct SlotViews<'a> {
+/// A pass's bf16 intermediates as views: each slot `s` is the first `lens[s]` elements of
+/// buffer `at[s]`.
+pub(super) struct SlotViews<'a, const N: usize> {
     bufs: Vec<CudaViewMut<'a, bf16>>,
-    at: [usize; 4],
-    lens: Slots,
+    at: [usize; N],
+    lens: [usize; N],
 }
 
-impl<'a> SlotViews<'a> {
-    /// Four separate buffers, slot `s` in `bufs[s]`.
-    pub(super) fn new(bufs: [&'a mut CudaSlice<bf16>; 4], lens: Slots) -> Self {
-        SlotViews {
-            bufs: bufs.into_iter().map(|b| b.as_view_mut()).collect(),
-            at: [0, 1, 2, 3],
-            lens,
-        }
-    }
-
+impl<'a, const N: usize> SlotViews<'a, N> {
     /// Slot `s`, to read.
     pub(super) fn get(&self, s: usize) -> CudaView<'_, bf16> {
         self.bufs[self.at[s]].slice(..self.lens[s])
@@ -110,8 +140,7 @@ impl<'a> SlotViews<'a> {
         self.bufs[self.at[s]].slice_mut(..n)
     }
 
-    /// Slots `a` and `b` both to write (two different buffers: consecutive slots never
-    /// share one).
+    /// Slots `a` and `b` both to write (in two different buffers).
     pub(super) fn pair_mut(
         &mut self,
         a: usize,
@@ -129,8 +158,7 @@ impl<'a> SlotViews<'a> {
         (x.slice_mut(..n_a), y.slice_mut(..n_b))
     }
 
-    /// Slot `src` to read and slot `dst` to write (two different buffers: consecutive
-    /// slots never share one).
+    /// Slot `src` to read and slot `dst` to write (in two different buffers).
     pub(super) fn io(
         &mut self,
         src: usize,
@@ -146,5 +174,27 @@ impl<'a> SlotViews<'a> {
             (&hi[0], &mut lo[j])
         };
         (s.slice(..n_src), d.slice_mut(..n_dst))
+    }
+
+    /// Slot `src` to read and slots `a`, `b` to write (three different buffers).
+    pub(super) fn read_write2(
+        &mut self,
+        src: usize,
+        [a, b]: [usize; 2],
+    ) -> (CudaView<'_, bf16>, [CudaViewMut<'_, bf16>; 2]) {
+        let idx = [self.at[src], self.at[a], self.at[b]];
+        let lens = [self.lens[src], self.lens[a], self.lens[b]];
+        assert!(
+            idx[0] != idx[1] && idx[0] != idx[2] && idx[1] != idx[2],
+            "slots {src} {a} {b} share a buffer"
+        );
+        let mut picked: Vec<Option<&mut CudaViewMut<'a, bf16>>> =
+            self.bufs.iter_mut().map(Some).collect();
+        let mut take = |i: usize| picked[i].take().expect("distinct buffers");
+        let (r, wa, wb) = (take(idx[0]), take(idx[1]), take(idx[2]));
+        (
+            r.slice(..lens[0]),
+            [wa.slice_mut(..lens[1]), wb.slice_mut(..lens[2])],
+        )
     }
 }
