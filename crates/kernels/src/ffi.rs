@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 
 /// `MOEFUSE_ABI_VERSION` this crate was written against.
-pub const MOEFUSE_ABI_VERSION: u32 = 4;
+pub const MOEFUSE_ABI_VERSION: u32 = 5;
 
 /// `moefuse_status`: kept as a plain integer so an unknown value cannot be undefined behaviour.
 pub type MoefuseStatus = i32;
@@ -199,8 +199,8 @@ pub struct MoefuseActivationRoutedArgs {
     pub act: MoefuseActivationArgs,
     /// `tokens * top_k`.
     pub slots: i32,
-    /// 0.
-    pub reserved: i32,
+    /// Slots per token (>= 1; `slots` is a multiple).
+    pub top_k: i32,
     /// `[max_rows]` slot of each expert-major row.
     pub source_of: *const i32,
     /// `[slots]` routing weights.
@@ -211,6 +211,9 @@ pub struct MoefuseActivationRoutedArgs {
     pub h_scaled: *mut c_void,
     /// `[1]` error bits, or null.
     pub errors: *mut u32,
+    /// `[1]` the permutation's tokens stamp (a mismatch writes nothing and raises
+    /// `MOEFUSE_MOE_ERROR_STALE`), or null.
+    pub expect_tokens: *const u32,
 }
 
 /// `moefuse_activation_args`: activation forward (`out = h`) or backward (`out = d_h_pre`)
@@ -279,7 +282,7 @@ pub const MOEFUSE_MOE_ERROR_EXPERT_ID: u32 = 1;
 pub const MOEFUSE_MOE_ERROR_DUPLICATE: u32 = 2;
 /// `MOEFUSE_MOE_ERROR_ROW`: combine met a `row_of` entry outside `-1..rows`.
 pub const MOEFUSE_MOE_ERROR_ROW: u32 = 4;
-/// `MOEFUSE_MOE_ERROR_STALE`: combine's `*expect_tokens` differed from its token count.
+/// `MOEFUSE_MOE_ERROR_STALE`: combine's (or the routed activation backward's) `*expect_tokens` differed from its token count.
 pub const MOEFUSE_MOE_ERROR_STALE: u32 = 8;
 
 /// `moefuse_combine_args`: `out[t] = Σ_j w[t, j] · y[row_of[t, j]]`, see abi.h.
@@ -635,7 +638,8 @@ mod tests {
         assert_eq!(offset_of!(MoefuseActivationArgs, h_pre), 32);
         assert_eq!(offset_of!(MoefuseActivationArgs, dh), 40);
         assert_eq!(offset_of!(MoefuseActivationArgs, out), 48);
-        assert_eq!(size_of::<MoefuseActivationRoutedArgs>(), 104);
+        assert_eq!(size_of::<MoefuseActivationRoutedArgs>(), 112);
+        assert_eq!(offset_of!(MoefuseActivationRoutedArgs, expect_tokens), 104);
         assert_eq!(offset_of!(MoefuseActivationRoutedArgs, slots), 56);
         assert_eq!(offset_of!(MoefuseActivationRoutedArgs, source_of), 64);
         assert_eq!(offset_of!(MoefuseActivationRoutedArgs, errors), 96);

@@ -412,8 +412,9 @@ impl<'a> Activation<'a> {
 /// let mut dw = stream.alloc_zeros::<f32>(rows)?;
 /// kernels.launch(&stream, ActivationBackwardRouted { kind: ActivationKind::SwiGlu,
 ///     layout: GateUpLayout::Split, intermediate: i, max_rows: rows, total_rows: None,
-///     h_pre: &h_pre, dh_u: &dh, source_of: &source_of, weights: &weights, d_h_pre: &mut d_h_pre,
-///     d_weights: &mut dw, h_scaled: &mut h_scaled, errors: None })?;
+///     h_pre: &h_pre, dh_u: &dh, source_of: &source_of, top_k: 2, weights: &weights,
+///     d_h_pre: &mut d_h_pre, d_weights: &mut dw, h_scaled: &mut h_scaled, errors: None,
+///     expect_tokens: None })?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct ActivationBackwardRouted<'a> {
@@ -433,6 +434,8 @@ pub struct ActivationBackwardRouted<'a> {
     pub dh_u: &'a dyn DevicePtr<bf16>,
     /// `[max_rows]` slot (`t * top_k + j`) of each row; its length is also the slot count.
     pub source_of: &'a dyn DevicePtr<i32>,
+    /// Slots per token (`slots`, the length of `weights`, is a multiple of it).
+    pub top_k: usize,
     /// `[slots]` routing weights.
     pub weights: &'a dyn DevicePtr<f32>,
     /// `[max_rows, W]` out.
@@ -443,6 +446,9 @@ pub struct ActivationBackwardRouted<'a> {
     pub h_scaled: &'a mut dyn DevicePtrMut<bf16>,
     /// `[1]` error bits, or none.
     pub errors: Option<&'a mut dyn DevicePtrMut<u32>>,
+    /// `[1]` the permutation's tokens stamp: when it is not `slots / top_k` (the rows are
+    /// another call's) nothing is written and the stale bit is raised; or no check.
+    pub expect_tokens: Option<&'a dyn DevicePtr<u32>>,
 }
 
 impl<'a> ActivationBackwardRouted<'a> {
@@ -462,11 +468,14 @@ impl<'a> ActivationBackwardRouted<'a> {
         let source_of = b.read("source_of", self.source_of, rows, 4)?;
         let slots = self.weights.len();
         check_range(kernel, "slots", slots as i128, 0, i32::MAX as i128)?;
+        check_range(kernel, "top_k", self.top_k as i128, 1, i32::MAX as i128)?;
+        check_multiple(kernel, "slots", slots, self.top_k)?;
         let weights = b.read("weights", self.weights, slots, 4)?;
         let d_h_pre = b.write("d_h_pre", self.d_h_pre, wide, 16)?;
         let d_weights = b.write("d_weights", self.d_weights, slots, 4)?;
         let h_scaled = b.write("h_scaled", self.h_scaled, narrow, 16)?;
         let errors = b.write_opt("errors", self.errors, 1, 4)?;
+        let expect = b.read_opt("expect_tokens", self.expect_tokens, 1, 4)?;
         if rows == 0 {
             return Ok(None);
         }
@@ -484,12 +493,13 @@ impl<'a> ActivationBackwardRouted<'a> {
                 out: d_h_pre as *mut _,
             },
             slots: to_i32(kernel, "slots", slots)?,
-            reserved: 0,
+            top_k: to_i32(kernel, "top_k", self.top_k)?,
             source_of: source_of as *const i32,
             weights: weights as *const f32,
             d_weights: d_weights as *mut f32,
             h_scaled: h_scaled as *mut _,
             errors: errors as *mut u32,
+            expect_tokens: expect as *const u32,
         })))
     }
 }

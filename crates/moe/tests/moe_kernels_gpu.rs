@@ -14,6 +14,9 @@ use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{check_close, to_f32, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
+#[path = "moe_kernels_gpu/routed.rs"]
+mod routed;
+
 /// Element-wise relative bound for the fp32 router outputs (fp64 inside, like the reference).
 const ROUTER_REL_ERR: f64 = 1e-5;
 /// Spare elements past what a call needs; they must keep their poison.
@@ -898,5 +901,10 @@ fn main() {
             "permute_matches_reference_and_checks_buffers",
             permute_checks,
         )
+        .test(
+            "routed_activation_backward_matches_reference",
+            routed::routed_activation_backward,
+        )
+        .test("gather_rows_matches_reference", routed::gather_rows)
         .run();
 }

@@ -23,9 +23,10 @@
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
-static_assert(sizeof(moefuse_activation_routed_args) == 104 && offsetof(moefuse_activation_routed_args, slots) == 56 &&
+static_assert(sizeof(moefuse_activation_routed_args) == 112 && offsetof(moefuse_activation_routed_args, slots) == 56 &&
                   offsetof(moefuse_activation_routed_args, source_of) == 64 &&
-                  offsetof(moefuse_activation_routed_args, errors) == 96,
+                  offsetof(moefuse_activation_routed_args, errors) == 96 &&
+                  offsetof(moefuse_activation_routed_args, expect_tokens) == 104,
               "moefuse_activation_routed_args layout changed: update ffi.rs");
 
 namespace moefuse::moe {
@@ -206,6 +207,11 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     activation_bwd_routed_kernel(Problem p, moefuse_activation_routed_args a) {
   const int lane = threadIdx.x & 31;
+  // A permutation of another call (its tokens stamp disagrees): nothing is written.
+  if (a.expect_tokens != nullptr && int64_t(*a.expect_tokens) * a.top_k != a.slots) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && a.errors != nullptr) atomicOr(a.errors, MOEFUSE_MOE_ERROR_STALE);
+    return;
+  }
   const int64_t rows = rows_of(a.act.total_rows, a.act.max_rows);
   const int64_t width = p.gated ? 2 * int64_t(p.inter) : p.inter;
   const int chunks = p.inter / 8;
@@ -334,9 +340,10 @@ extern "C" moefuse_status moefuse_moe_activation_bwd_routed(const moefuse_activa
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
   moefuse_status st = check(&a->act, name, true);
   if (st != MOEFUSE_STATUS_OK) return st;
-  if (a->act.intermediate % 8 != 0 || a->slots < 0 || a->reserved != 0) {
-    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: intermediate %d (multiple of 8), slots %d, reserved %d", name,
-                a->act.intermediate, a->slots, a->reserved);
+  if (a->act.intermediate % 8 != 0 || a->slots < 0 || a->top_k < 1 || a->slots % a->top_k != 0) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM,
+                "%s: intermediate %d (multiple of 8), slots %d (a multiple of top_k), top_k %d (>= 1)", name,
+                a->act.intermediate, a->slots, a->top_k);
   }
   if (a->act.max_rows == 0) return MOEFUSE_STATUS_OK;
   if (a->source_of == nullptr || a->weights == nullptr || a->d_weights == nullptr || a->h_scaled == nullptr) {

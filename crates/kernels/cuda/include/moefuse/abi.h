@@ -17,7 +17,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct layout or launcher signature changes. */
-#define MOEFUSE_ABI_VERSION 4
+#define MOEFUSE_ABI_VERSION 5
 
 typedef enum moefuse_status {
   MOEFUSE_STATUS_OK = 0,
@@ -221,18 +221,21 @@ moefuse_status moefuse_moe_activation_bwd(const moefuse_activation_args* args, v
  *   d_weights[s] = sum_i dh_u[r, i] * h[r, i]    (fp32, one warp per row, fixed order)
  *   h_scaled[r] = bf16(w * h[r])                  [rows, I] (the down wgrad's operand)
  * A source_of entry outside 0..slots-1 leaves its row's outputs untouched and raises
- * MOEFUSE_MOE_ERROR_SOURCE in *errors (when not NULL). I % 8 == 0, 16-byte aligned bf16
- * buffers.
+ * MOEFUSE_MOE_ERROR_SOURCE in *errors (when not NULL). With expect_tokens (the permutation's
+ * tokens stamp), a stamp other than slots / top_k (a permutation of another call) touches
+ * no output and raises MOEFUSE_MOE_ERROR_STALE: d_weights keeps what the caller put there.
+ * I % 8 == 0, 16-byte aligned bf16 buffers, slots a multiple of top_k >= 1.
  */
 typedef struct moefuse_activation_routed_args {
   moefuse_activation_args act; /* out = d_h_pre, dh = dh_u */
   int32_t slots;               /* tokens * top_k: the length of weights and d_weights */
-  int32_t reserved;            /* 0 */
+  int32_t top_k;               /* >= 1 */
   const int32_t* source_of;    /* [max_rows] */
   const float* weights;        /* [slots] */
   float* d_weights;            /* [slots] */
   void* h_scaled;              /* [max_rows, I] bf16 */
   uint32_t* errors;            /* [1] or NULL */
+  const uint32_t* expect_tokens; /* [1] the permutation's tokens stamp, or NULL (no check) */
 } moefuse_activation_routed_args;
 
 moefuse_status moefuse_moe_activation_bwd_routed(const moefuse_activation_routed_args* args, void* stream);

@@ -292,6 +292,9 @@ impl Cx<'_> {
 
     /// The routed activation backward over the routed rows: `d_h_pre` of `w · dh_u`,
     /// `d_topk_weights[s] = ⟨dh_u, h⟩` and `h_scaled = w · h` (`h` recomputed from `h_pre`).
+    /// `d_topk_weights` is zeroed first: a slot no row names (a dropped expert id) gets 0,
+    /// and so does every slot when the permutation is another call's (the kernel checks
+    /// the tokens stamp, writes nothing and raises the stale bit).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn activation_backward_routed(
         &self,
@@ -308,7 +311,9 @@ impl Cx<'_> {
         let slots = t * c.top_k;
         let (kind, layout) = self.act.kernel_kind();
         let last = perm.offsets.slice(c.experts - 1..);
-        let (mut bits, _) = perm.errors.words.split_at_mut(1);
+        let mut d_weights = d_topk_weights.slice_mut(..slots);
+        self.stream.memset_zeros(&mut d_weights)?;
+        let (mut bits, tokens_stamp) = perm.errors.words.split_at_mut(1);
         self.gemm.kernels().launch(
             self.stream,
             mk::ActivationBackwardRouted {
@@ -320,11 +325,13 @@ impl Cx<'_> {
                 h_pre,
                 dh_u,
                 source_of: &perm.source_of,
+                top_k: c.top_k,
                 weights: &weights.slice(..slots),
                 d_h_pre,
-                d_weights: &mut d_topk_weights.slice_mut(..slots),
+                d_weights: &mut d_weights,
                 h_scaled,
                 errors: Some(&mut bits),
+                expect_tokens: Some(&tokens_stamp),
             },
         )?;
         Ok(())
