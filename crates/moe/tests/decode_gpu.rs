@@ -10,6 +10,8 @@
 
 #![forbid(unsafe_code)]
 
+#[path = "decode_gpu/fused.rs"]
+mod fused;
 mod layer_common;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -242,5 +244,9 @@ fn main() {
             decode_drops_and_flags_bad_ids,
         )
         .test("decode_rejects_bad_input", decode_rejects_bad_input)
+        .test(
+            "decode_fused_equals_two_kernels",
+            fused::fused_equals_two_kernels,
+        )
         .run();
 }
