@@ -211,13 +211,12 @@ pub enum MoeError {
     /// Device-resident routing state the kernels found invalid (they skipped the offending
     /// slots and raised bits in a [`DeviceErrors`](crate::gpu::DeviceErrors) word; see
     /// `DeviceErrors::take` and `MoeLayer::take_routing_errors`).
-    #[error("device routing was invalid:{}{}{}{}{}{}",
+    #[error("device routing was invalid:{}{}{}{}{}",
         if *out_of_range { " expert ids outside 0..experts (slots dropped);" } else { "" },
         if *duplicate { " a token naming one expert twice;" } else { "" },
         if *row_out_of_range { " row_of entries outside the rows of y (slots skipped);" } else { "" },
         if *stale_forward { " a backward whose token count differs from the permutation's (the forward state is stale, e.g. a graph replayed after an eager forward of another T; outputs zeroed)" } else { "" },
-        if *source_out_of_range { " source_of entries outside 0..tokens*top_k (token 0 read instead)" } else { "" },
-        if *grid_sync_timeout { " the fused decode kernel's grid barrier timed out (outputs invalid)" } else { "" })]
+        if *source_out_of_range { " source_of entries outside 0..tokens*top_k (token 0 read instead)" } else { "" })]
     InvalidDeviceRouting {
         /// Some id was outside `0..experts`.
         out_of_range: bool,
@@ -230,10 +229,6 @@ pub enum MoeError {
         stale_forward: bool,
         /// The fused gate_up met a `source_of` entry outside `0..tokens * top_k`.
         source_out_of_range: bool,
-        /// A block of the fused decode kernel gave up waiting for the others at its grid
-        /// barrier (not every block was resident, e.g. the GPU shared with other work);
-        /// that call's outputs are invalid.
-        grid_sync_timeout: bool,
     },
     /// A backward (or its gradient buffers) was asked of a layer that keeps nothing for
     /// one.

@@ -10,8 +10,6 @@
 
 #![forbid(unsafe_code)]
 
-#[path = "decode_gpu/fused.rs"]
-mod fused;
 mod layer_common;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -244,9 +242,5 @@ fn main() {
             decode_drops_and_flags_bad_ids,
         )
         .test("decode_rejects_bad_input", decode_rejects_bad_input)
-        .test(
-            "decode_fused_equals_two_kernels",
-            fused::fused_equals_two_kernels,
-        )
         .run();
 }

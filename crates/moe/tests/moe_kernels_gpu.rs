@@ -719,7 +719,6 @@ fn combine_bounds_row_of(ctx: &Arc<CudaContext>) -> Result<(), String> {
             row_out_of_range: true,
             stale_forward: false,
             source_out_of_range: false,
-            grid_sync_timeout: false,
         }) => Ok(()),
         other => Err(format!("{what}: expected the row error, got {other:?}")),
     };

@@ -20,13 +20,6 @@
 //          | partials per slot
 //   all    | fixed-order sum of the splits (bf16 y_e), then y[t] = sum_j w * y_e in
 //          | slot order (fp32), written as bf16
-// fused kernel (when the caller gives grid_sync; 16 warps per block, every block resident):
-//   warps  | work
-//   -------+-----------------------------------------------------------------------
-//   0..7   | gate_up units as one team (named barrier 1), as a gate_up block does
-//   8..15  | gate_up units as a second team (named barrier 2)
-//   all    | L2 warm-up of the block's first down tile, the grid barrier (h complete),
-//          | then the down kernel's work, h read from L2 (written in this kernel)
 //
 // NOTES: no shared-memory staging for A: each weight element is used by the 8 to 64 columns
 // of one MMA group and never again, so registers are the stage. The K order inside an MMA
@@ -43,8 +36,7 @@
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
-static_assert(sizeof(moefuse_decode_args) == 144, "moefuse_decode_args layout changed: update ffi.rs");
-static_assert(offsetof(moefuse_decode_args, grid_sync) == 136, "moefuse_decode_args layout changed");
+static_assert(sizeof(moefuse_decode_args) == 136, "moefuse_decode_args layout changed: update ffi.rs");
 static_assert(offsetof(moefuse_decode_args, alpha) == 32, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, topk_ids) == 40, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, errors) == 128, "moefuse_decode_args layout changed");
@@ -68,25 +60,9 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
 
 // ---- gate_up ----------------------------------------------------------------------------
 
-// The warps that run one gate_up unit together: a whole 8-warp block (two-kernel path) or
-// one half of a 16-warp fused block, synchronised on its own named barrier.
-struct Team {
-  int tid;      // thread index inside the team
-  int barrier;  // named barrier id (0: the whole block, __syncthreads)
-  __device__ int warp() const { return tid >> 5; }
-  __device__ void sync() const {
-    if (barrier == 0) __syncthreads();
-    else asm volatile("bar.sync %0, %1;" ::"r"(barrier), "n"(kGateUpWarps * 32) : "memory");
-  }
-};
-
-struct GateUpPartials {
-  float partial[kGateUpWarps][kMaxGroupBlocks][32][4];
-};
-
 struct GateUpShared {
   Routing routing;
-  GateUpPartials up;
+  float partial[kGateUpWarps][kMaxGroupBlocks][32][4];
 };
 
 // The two rows of W_e a lane's fragments hold for tile `tile`: (row g, row g + 8) of the
@@ -108,9 +84,9 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
 // One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
 // MMAs into shared partials.
 template <int NB>
-__device__ void gate_up_partial(const moefuse_decode_args& a, GateUpPartials& sm, const Team& team, const int* slots,
-                                int n, const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
-  const int lane = team.tid & 31, warp = team.warp(), g = lane >> 2;
+__device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
+                                const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
   uint32_t b_off[NB];  // tokens * hidden < 2^26
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -128,11 +104,11 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpPartials& sm
   }
 }
 
-__device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials& sm, const Team& team,
-                              const int* slots, int n, int tile, int blocks) {
+__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
+                              int blocks) {
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
-  for (int i = team.tid; i < blocks * 32; i += kGateUpWarps * 32) {
+  for (int i = threadIdx.x; i < blocks * 32; i += blockDim.x) {
     const int nb = i >> 5, lane = i & 31, g = lane >> 2, t = lane & 3;
     float c[4];
 #pragma unroll
@@ -180,34 +156,6 @@ __device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials
   }
 }
 
-// Units first, first + stride, ... of the gate_up work, run by one team.
-__device__ void gate_up_units(const moefuse_decode_args& a, const Routing& rt, GateUpPartials& sm,
-                              const Team& team, int first_unit, int stride) {
-  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
-  const int width = gated ? 2 * a.intermediate : a.intermediate;
-  const int tiles = width / 16;
-  const int units = rt.touched * tiles;
-  const int chunks = a.hidden / kChunk, warp = team.warp(), g = (team.tid & 31) >> 2;
-  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-  for (int u = first_unit; u < units; u += stride) {
-    const int ti = u / tiles, tile = u - ti * tiles, e = rt.expert[ti];
-    int lo, hi;
-    tile_rows(a, tile, g, lo, hi);
-    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
-    const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
-    const int first = rt.start[ti], count = rt.start[ti + 1] - first;
-    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
-      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
-      const int* slots = rt.slot + first + base;
-      team.sync();  // the previous group's partials are read
-      if (blocks == 1) gate_up_partial<1>(a, sm, team, slots, n, w_lo, w_hi, c0, c1);
-      else gate_up_partial<2>(a, sm, team, slots, n, w_lo, w_hi, c0, c1);
-      team.sync();
-      gate_up_store(a, sm, team, slots, n, tile, blocks);
-    }
-  }
-}
-
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
   __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
@@ -215,7 +163,29 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   decode::wait_for_prerequisite();
   decode::allow_dependent_launch();
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  gate_up_units(a, sm.routing, sm.up, Team{int(threadIdx.x), 0}, blockIdx.x, gridDim.x);
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int width = gated ? 2 * a.intermediate : a.intermediate;
+  const int tiles = width / 16;
+  const int units = sm.routing.touched * tiles;
+  const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int ti = u / tiles, tile = u - ti * tiles, e = sm.routing.expert[ti];
+    int lo, hi;
+    tile_rows(a, tile, g, lo, hi);
+    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
+    const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
+    const int first = sm.routing.start[ti], count = sm.routing.start[ti + 1] - first;
+    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
+      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
+      const int* slots = sm.routing.slot + first + base;
+      __syncthreads();  // the previous group's partials are read
+      if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      __syncthreads();
+      gate_up_store(a, sm, slots, n, tile, blocks);
+    }
+  }
 }
 
 // ---- down + combine ---------------------------------------------------------------------
@@ -241,7 +211,7 @@ __device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, i
   }
 }
 
-template <int NB, bool kCoherentH>
+template <int NB>
 __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
                              const uint16_t* w_hi, int c0, int c1, float* part) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -253,7 +223,7 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
   float acc[NB][4];
   // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
-  decode::mma_rows<NB, NB == 1 ? 8 : 4, kCoherentH>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
+  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -268,13 +238,20 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
 }
 
-// The down tiles of this block (tiles blockIdx.x, + gridDim.x, ...) with the table and
-// groups built: y_e partials per (group, K split), their fixed-order sum, the weighted
-// combine. kCoherentH: h was written by other blocks of this same kernel (fused path), so
-// it is read from L2, not through the read-only path.
-template <bool kCoherentH>
-__device__ void down_tiles(const moefuse_decode_args& a, const Routing& rt, const decode::Groups& gr, float* part,
-                           int split_cap) {
+__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
+  __shared__ DownShared sm;
+  extern __shared__ float part[];  // [splits][valid slots][16]
+  Routing& rt = sm.routing;
+  rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
+  // Work items: (group of at most 16 slots of one expert, K split). The groups of one
+  // expert sit next to each other in the item order, so different warps stream the same
+  // weights at the same time and the second read meets the first in L2.
+  decode::Groups& gr = sm.groups;
+  gr.build(rt, 8 * kMaxGroupBlocks);
+  // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
+  // it warms L2 with its first tile's weights, then waits for h.
+  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
+  decode::wait_for_prerequisite();
   const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
   // K splits so that every warp has work when there are few groups.
   int splits = (kDownWarps + gr.count - 1) / max(gr.count, 1);
@@ -294,8 +271,8 @@ __device__ void down_tiles(const moefuse_decode_args& a, const Routing& rt, cons
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;
       float* p = part + (size_t(sp) * valid + first) * 16;
-      if (n <= 8) down_partial<1, kCoherentH>(a, slots, n, w_lo, w_hi, c0, c1, p);
-      else down_partial<2, kCoherentH>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
     }
     __syncthreads();
     // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
@@ -324,92 +301,32 @@ __device__ void down_tiles(const moefuse_decode_args& a, const Routing& rt, cons
   }
 }
 
-__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
-  __shared__ DownShared sm;
-  extern __shared__ float part[];  // [splits][valid slots][16]
-  Routing& rt = sm.routing;
-  rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
-  // Work items: (group of at most 16 slots of one expert, K split). The groups of one
-  // expert sit next to each other in the item order, so different warps stream the same
-  // weights at the same time and the second read meets the first in L2.
-  sm.groups.build(rt, 8 * kMaxGroupBlocks);
-  // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
-  // it warms L2 with its first tile's weights, then waits for h.
-  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
-  decode::wait_for_prerequisite();
-  down_tiles<false>(a, rt, sm.groups, part, split_cap);
-}
-
-// ---- fused: both halves in one persistent grid ------------------------------------------
-
-struct FusedShared {
-  Routing routing;
-  decode::Groups groups;
-  GateUpPartials up[2];
-};
-
-// How long a block waits at the grid barrier before it gives up (raising
-// MOEFUSE_MOE_ERROR_GRID_SYNC): far beyond any decode step, short of a hang.
-constexpr uint64_t kGridSyncDeadlineNs = 2'000'000'000ull;
-
-// One grid of 16-warp blocks, all resident (the launch sizes it so): the two 8-warp halves
-// of each block run gate_up units as two teams (the two-kernel path's two gate_up blocks
-// per SM), the block warms L2 with its first down tile, a grid barrier on sync (h
-// complete everywhere), then the down tiles as the down kernel runs them. One launch, no
-// kernel boundary between the halves.
-__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_fused_kernel(moefuse_decode_args a, int split_cap) {
-  __shared__ FusedShared sm;
-  extern __shared__ float part[];  // [splits][valid slots][16]
-  decode::wait_for_prerequisite();
-  decode::allow_dependent_launch();
-  const uint32_t generation = decode::load_acquire(&a.grid_sync[1]);
-  Routing& rt = sm.routing;
-  rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  sm.groups.build(rt, 8 * kMaxGroupBlocks);
-  const int half = threadIdx.x >> 8;
-  gate_up_units(a, rt, sm.up[half], Team{int(threadIdx.x & 255), 1 + half}, 2 * blockIdx.x + half, 2 * gridDim.x);
-  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
-  if (decode::grid_barrier(a.grid_sync, generation, kGridSyncDeadlineNs) && threadIdx.x == 0 && a.errors != nullptr) {
-    atomicOr(a.errors, MOEFUSE_MOE_ERROR_GRID_SYNC);
-  }
-  down_tiles<true>(a, rt, sm.groups, part, split_cap);
-}
-
 // ---- host -------------------------------------------------------------------------------
 
 // Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
 // device; the down kernel's dynamic shared memory limit is raised on the same first call.
-// fused: blocks of the fused kernel that are resident at once (0: it does not fit, the two
-// kernels run); its grid barrier needs every block resident, so its grid never exceeds it.
 struct Grids {
-  int gate_up, down, fused;
+  int gate_up, down;
 };
 
 Grids resident_grids() {
-  static std::atomic<int> cache[64][3];
+  static std::atomic<int> cache[64][2];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132, 0};
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132};
   int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
-  int fused = cache[dev][2].load(std::memory_order_acquire);
-  if (up > 0 && down > 0 && fused >= 0) return {up, down, fused - 1};
-  int sms = 0, up_per_sm = 0, down_per_sm = 0, fused_per_sm = 0;
+  if (up > 0 && down > 0) return {up, down};
+  int sms = 0, up_per_sm = 0, down_per_sm = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int part_bytes = int(kPartFloats * sizeof(float));
-  cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, part_bytes);
-  cudaFuncSetAttribute(decode_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, part_bytes);
+  cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       int(kPartFloats * sizeof(float)));
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32, part_bytes);
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fused_per_sm, decode_fused_kernel, kDownWarps * 32,
-                                                    part_bytes) != cudaSuccess) {
-    fused_per_sm = 0;
-  }
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
+                                                kPartFloats * sizeof(float));
   up = max(1, sms) * max(1, up_per_sm);
   down = max(1, sms) * max(1, down_per_sm);
-  fused = max(0, sms) * max(0, fused_per_sm);
   cache[dev][0].store(up, std::memory_order_release);
   cache[dev][1].store(down, std::memory_order_release);
-  cache[dev][2].store(fused + 1, std::memory_order_release);
-  return {up, down, fused};
+  return {up, down};
 }
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
@@ -461,26 +378,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
-  // few experts are touched; a token names top_k distinct experts, so at least top_k are
-  // touched (a duplicate id can only lower the splits the kernel takes: it clamps).
-  const int split_cap =
-      max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kPartFloats / (16 * slots)));
-  const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
-  if (a->grid_sync != nullptr && grids.fused > 0) {
-    // Enough blocks for the gate_up units (two teams each) and the down tiles, never more
-    // than are resident at once (the grid barrier waits for all of them).
-    const int wanted = max((max_units + 1) / 2, a->hidden / 16);
-    cudaLaunchConfig_t fused = {};
-    fused.gridDim = dim3(min(grids.fused, wanted));
-    fused.blockDim = dim3(kDownWarps * 32);
-    fused.dynamicSmemBytes = smem;
-    fused.stream = s;
-    fused.attrs = attr;
-    fused.numAttrs = 1;
-    if (cudaLaunchKernelEx(&fused, decode_fused_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
-    return after_launch(name);
-  }
   cudaLaunchConfig_t up = {};
   up.gridDim = dim3(min(grids.gate_up, max_units));
   up.blockDim = dim3(kGateUpWarps * 32);
@@ -489,6 +386,12 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.numAttrs = 1;
   if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
+  // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
+  // few experts are touched; a token names top_k distinct experts, so at least top_k are
+  // touched (a duplicate id can only lower the splits the kernel takes: it clamps).
+  const int split_cap =
+      max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kPartFloats / (16 * slots)));
+  const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(min(grids.down, a->hidden / 16));
   launch.blockDim = dim3(kDownWarps * 32);

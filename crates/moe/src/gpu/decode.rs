@@ -150,9 +150,6 @@ pub(super) fn decode_forward_with(
             ),
             None => (None, None, None, None),
         };
-    // The error word, and the fused kernel's grid barrier in words 2..4 of the same buffer.
-    let (mut bits, mut rest) = errors.words.split_at_mut(1);
-    let (_, mut grid_sync) = rest.split_at_mut(1);
     kernels.launch(
         stream,
         mk::DecodeForward {
@@ -174,8 +171,7 @@ pub(super) fn decode_forward_with(
             h_pre_rows,
             h_rows,
             y_e_rows,
-            errors: Some(&mut bits),
-            grid_sync: Some(&mut grid_sync),
+            errors: Some(&mut errors.words),
         },
     )?;
     Ok(())

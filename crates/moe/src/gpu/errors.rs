@@ -6,12 +6,9 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use moefuse_kernels::ffi;
 use std::sync::Arc;
 
-/// Four `u32` words in device memory: `[0]` the error bits the permutation and combine
+/// Two `u32` words in device memory: `[0]` the error bits the permutation and combine
 /// kernels raise (`MOEFUSE_MOE_ERROR_*` in `moe_abi.h`), `[1]` the token count of the last
-/// permutation (the stamp the layer's backward compares with its own), `[2..4]` the grid
-/// barrier of the fused decode kernel (zeroed here once; the kernel leaves it as it
-/// found it apart from a generation count, so nothing resets it between calls). One
-/// `DeviceErrors` serves the calls of one stream.
+/// permutation (the stamp the layer's backward compares with its own).
 ///
 /// Kernels only ever set bits (never clear them) and skip the offending slot, so a bad
 /// device value never leads to an access outside a buffer. Reading the word needs a host
@@ -35,9 +32,6 @@ pub struct DeviceErrors {
     pub(super) words: CudaSlice<u32>,
 }
 
-/// Words of a [`DeviceErrors`]: bits, tokens stamp, and the decode grid barrier's two.
-const WORDS: usize = 4;
-
 impl DeviceErrors {
     /// A cleared error word on `stream`'s device.
     ///
@@ -48,7 +42,7 @@ impl DeviceErrors {
     /// ```
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self, MoeError> {
         Ok(DeviceErrors {
-            words: stream.alloc_zeros(WORDS)?,
+            words: stream.alloc_zeros(2)?,
         })
     }
 
@@ -84,7 +78,6 @@ impl DeviceErrors {
             row_out_of_range: bits & ffi::MOEFUSE_MOE_ERROR_ROW != 0,
             stale_forward: bits & ffi::MOEFUSE_MOE_ERROR_STALE != 0,
             source_out_of_range: bits & ffi::MOEFUSE_MOE_ERROR_SOURCE != 0,
-            grid_sync_timeout: bits & ffi::MOEFUSE_MOE_ERROR_GRID_SYNC != 0,
         })
     }
 
@@ -108,7 +101,7 @@ mod tests {
     #[test]
     fn every_bit_has_its_field() {
         assert_eq!(DeviceErrors::decode(0), Ok(()));
-        let all = DeviceErrors::decode(63).unwrap_err();
+        let all = DeviceErrors::decode(31).unwrap_err();
         assert_eq!(
             all,
             MoeError::InvalidDeviceRouting {
@@ -117,7 +110,6 @@ mod tests {
                 row_out_of_range: true,
                 stale_forward: true,
                 source_out_of_range: true,
-                grid_sync_timeout: true,
             }
         );
         assert_eq!(
@@ -128,7 +120,6 @@ mod tests {
                 row_out_of_range: true,
                 stale_forward: false,
                 source_out_of_range: false,
-                grid_sync_timeout: false,
             })
         );
         let msg = all.to_string();

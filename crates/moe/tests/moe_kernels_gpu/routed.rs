@@ -17,7 +17,18 @@ use moefuse_testkit::{check_close, to_f32, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
 fn kernel_kind(act: Activation, layout: GateUpLayout) -> (mk::ActivationKind, mk::GateUpLayout) {
-    moefuse::gpu::ActivationDesc::new(act, layout, 8).kernel_kind()
+    let layout = match layout {
+        GateUpLayout::Split => mk::GateUpLayout::Split,
+        GateUpLayout::Interleaved => mk::GateUpLayout::Interleaved,
+    };
+    let kind = match act {
+        Activation::SwiGlu => mk::ActivationKind::SwiGlu,
+        Activation::GeGlu => mk::ActivationKind::GeGlu,
+        Activation::SwiGluOai { alpha, limit } => mk::ActivationKind::SwiGluOai { alpha, limit },
+        Activation::BoundedSwiGlu { limit } => mk::ActivationKind::BoundedSwiGlu { limit },
+        Activation::Relu2 => mk::ActivationKind::Relu2,
+    };
+    (kind, layout)
 }
 
 /// The tokens stamp a case hands the kernel.

@@ -29,7 +29,6 @@ extern "C" {
 #define MOEFUSE_MOE_ERROR_DUPLICATE 2u /* permute: a token naming one expert twice */
 #define MOEFUSE_MOE_ERROR_ROW 4u       /* combine, combine_bwd: a row_of entry outside -1..rows-1 (slot skipped) */
 #define MOEFUSE_MOE_ERROR_STALE 8u     /* combine, combine_bwd: *expect_tokens != tokens (nothing read through row_of) */
-#define MOEFUSE_MOE_ERROR_GRID_SYNC 32u /* decode (fused): a block gave up waiting at the grid barrier (outputs invalid) */
 #define MOEFUSE_MOE_ERROR_SOURCE 16u   /* gate_up fused: a source_of entry outside 0..tokens*top_k-1 (token 0 read instead); activation_bwd_routed: (row skipped) */
 
 /* Tokens per block of the permutation's count pass; the workspace holds one int32 count
@@ -203,8 +202,7 @@ moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* arg
  * 0..experts-1 contributes nothing and raises MOEFUSE_MOE_ERROR_EXPERT_ID in errors[0].
  * Limits: 1 <= tokens <= MOEFUSE_DECODE_MAX_TOKENS, tokens*top_k <= MOEFUSE_DECODE_MAX_SLOTS,
  * hidden and intermediate multiples of 32, 16-byte aligned x, weights, h, y and the
- * expert-major outputs. Deterministic: no atomics on data, fixed summation orders; the
- * fused kernel (grid_sync given) computes the same bits as the two kernels.
+ * expert-major outputs. Deterministic: no atomics on data, fixed summation orders.
  */
 #define MOEFUSE_DECODE_MAX_TOKENS 64
 #define MOEFUSE_DECODE_MAX_SLOTS 1024
@@ -231,9 +229,6 @@ typedef struct moefuse_decode_args {
   uint16_t* h_rows;             /* [tokens*top_k, intermediate], or NULL */
   uint16_t* y_e_rows;           /* [tokens*top_k, hidden], or NULL */
   uint32_t* errors;             /* [1] error bits, or NULL */
-  uint32_t* grid_sync;          /* [2] zeroed once by the caller and only used by the calls of one
-                                   stream, or NULL: with it, one fused kernel runs both halves
-                                   (a grid barrier between them), else two kernels */
 } moefuse_decode_args;
 
 moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* args, void* stream);

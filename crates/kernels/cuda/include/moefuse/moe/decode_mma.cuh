@@ -151,51 +151,6 @@ __device__ __forceinline__ void wait_for_prerequisite() {
 #endif
 }
 
-// A barrier of every block of a grid whose blocks are all resident at once, in two words
-// the caller zeroed once: sync[0] counts arrivals, sync[1] is the generation. The last
-// block to arrive resets the count and bumps the generation, so nothing is reset between
-// calls (graph replays included). `generation` is sync[1] as read at kernel start, before
-// any block of this call could have bumped it. Every thread of the block calls it. Spins
-// give up after `deadline_ns` (then the block goes on and *timed_out is true).
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ bool grid_barrier(uint32_t* sync, uint32_t generation, uint64_t deadline_ns) {
-  __shared__ bool timed_out;
-  __syncthreads();  // every write of the block precedes thread 0's release below
-  if (threadIdx.x == 0) {
-    timed_out = false;
-    __threadfence();
-    const uint32_t arrived = atomicAdd(&sync[0], 1u);
-    if (arrived == gridDim.x - 1) {
-      sync[0] = 0;
-      __threadfence();
-      atomicAdd(&sync[1], 1u);
-    } else {
-      const uint64_t start = global_ns();
-      while (load_acquire(&sync[1]) == generation) {
-        if (global_ns() - start > deadline_ns) {
-          timed_out = true;
-          break;
-        }
-        __nanosleep(32);
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-  return timed_out;
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
@@ -226,19 +181,11 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
   mma_bf16(d, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
-// 16 bytes of B: through the read-only path, or (kCoherent: data written earlier in the
-// same kernel by other blocks) from L2.
-template <bool kCoherent>
-__device__ __forceinline__ uint4 load_b(const uint16_t* p) {
-  if constexpr (kCoherent) return __ldcg(reinterpret_cast<const uint4*>(p));
-  else return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
 // acc[nb] = A[16, K range] · B[nb]ᵀ for K chunks [c0, c1): A rows a_lo (row g) and a_hi
 // (row g + 8) of this lane, U chunks of A in flight per lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element
 // offsets keep eight of them in eight registers). C fragment: acc[nb][0..1] =
 // (row g, columns 2t, 2t+1), acc[nb][2..3] = (row g + 8, same columns).
-template <int NB, int U, bool kCoherentB = false>
+template <int NB, int U>
 __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
                                          const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
   const int k8 = (threadIdx.x & 3) * 8;
@@ -256,7 +203,7 @@ __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        const uint4 bv = load_b<kCoherentB>(b + b_off[nb] + (c + u) * kChunk + k8);
+        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
         mma_chunk(acc[nb], lo[u], hi[u], bv);
       }
     }
@@ -265,7 +212,7 @@ __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_
     const uint4 lo = load_stream(a_lo + c * kChunk + k8), hi = load_stream(a_hi + c * kChunk + k8);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      const uint4 bv = load_b<kCoherentB>(b + b_off[nb] + c * kChunk + k8);
+      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8));
       mma_chunk(acc[nb], lo, hi, bv);
     }
   }
