@@ -1,19 +1,25 @@
 // Expert-parallel dispatch and combine over NVSHMEM (the non-fused path, like DeepEP's
-// normal mode). Six kernels, stream-ordered, no host synchronisation, graph-capturable,
-// and two for the instance's life (hello at construction, abort on a host-side error):
+// normal mode). Five kernels, stream-ordered, no host synchronisation, graph-capturable
+// (at one PE only count, dispatch and combine_send run), and two for the instance's life
+// (hello at construction, abort on a host-side error):
 //
 //   kernel          grid        what it does
 //   count           T/256       per-chunk counts per expert and per destination rank, and the
-//                               stable rank of every (token, slot) inside its chunk
-//   notify          1 x 1024    bumps the epoch; chunk counts -> bases; sends this rank's
-//                               count row to every PE, waits for theirs; derives every base
+//                               stable rank of every (token, slot) inside its chunk; its last
+//                               block runs notify: bumps the epoch; chunk counts -> bases;
+//                               sends this rank's count row to every PE, waits for theirs;
+//                               derives every base
 //   dispatch        G           each routed token once per destination into its staging row,
-//                               with its slots' expert-major rows, weights and token id
-//   expand          G           waits for every source; staged rows -> expert-major recv_x
+//                               with its slots' expert-major rows, weights and token id; for
+//                               this rank itself straight into the expert-major rows (no
+//                               staging copy: only the row's info and weights are staged)
+//   expand          G           (more than one PE) waits for every source; the other sources'
+//                               staged rows -> expert-major recv_x
 //   combine_send    G           per staged row: sum_j w_j * y[row_j] (fp32) -> bf16 partial
-//                               into the source's comb_x
-//   combine_reduce  G           waits for every destination; out[t] = sum over destinations in
-//                               rank order (fp32) -> bf16
+//                               into the source's comb_x (one PE: into out[t], and zero rows
+//                               for the tokens routed nowhere)
+//   combine_reduce  G           (more than one PE) waits for every destination; out[t] = sum
+//                               over destinations in rank order (fp32) -> bf16
 //   hello           1 x 32      puts this rank's (config hash, epoch base) into every PE's table
 //   abort           1 x 32      tells every peer this rank abandoned the call (abort signals)
 //
@@ -197,9 +203,91 @@ __device__ __forceinline__ int source_of(const moefuse_ep_params& p, int i) {
   return s;
 }
 
+// ---- notify: run by the last block of count ---------------------------------------------
+// Bumps the epoch; chunk counts -> bases; sends this rank's count row to every PE, waits for
+// theirs; derives every base. Every thread of the block calls it.
+__device__ void notify(const moefuse_ep_params& p) {
+  __shared__ uint64_t epoch_s;
+  __shared__ int col_total[MOEFUSE_SPEC_MAX_EXPERTS];  // one per expert
+  const int C = row_width(p), R = p.ranks, E = p.experts, El = p.local_experts, me = p.rank;
+  const int chunks = (p.tokens + kChunk - 1) / kChunk;
+  if (threadIdx.x == 0) {
+    epoch_s = *p.epoch + 1;
+    *p.epoch = epoch_s;
+    p.status[0] = 0;
+  }
+  __syncthreads();
+  if (faulted(p)) {
+    if (threadIdx.x == 0) abort_peers(p, epoch_s);
+    return;
+  }
+  // Chunk counts -> exclusive bases per column; this rank's totals into its meta row.
+  int* mine = p.meta + me * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    int run = 0;
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int v = __ldcg(p.chunk_cnt + ch * C + c);  // written by the other count blocks
+      p.chunk_cnt[ch * C + c] = run;
+      run += v;
+    }
+    mine[c] = run;
+  }
+  __syncthreads();
+  const uint64_t epoch = epoch_s;
+  for (int pe = 0; pe < R; ++pe) {
+    if (pe != me) {
+      nvshmemx_putmem_signal_block(mine, mine, sizeof(int) * size_t(C), p.meta_sig + me, epoch, NVSHMEM_SIGNAL_SET,
+                                   pe);
+    }
+  }
+  bool ok = true;
+  for (int s = threadIdx.x; ok && s < R; s += blockDim.x) {
+    if (s != me) ok = wait_signal(p, p.meta_sig + s, epoch, MOEFUSE_EP_OP_NOTIFY, s);
+  }
+  __threadfence_system();
+  if (__syncthreads_or(!ok)) return;
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) p.counts_all[i] = __ldcv(p.meta + i);
+  __syncthreads();
+
+  const int* cnt = p.counts_all;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int total = 0;
+    for (int s = 0; s < R; ++s) total += cnt[s * C + e];
+    col_total[e] = total;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int owner = e / El;
+    int before = 0;  // rows of the owner's earlier experts
+    for (int f = owner * El; f < e; ++f) before += col_total[f];
+    int earlier_src = 0;  // rows of this expert from lower source ranks
+    for (int s = 0; s < me; ++s) earlier_src += cnt[s * C + e];
+    p.dest_row_base[e] = before + earlier_src;
+    if (owner == me) {
+      p.recv_offsets[e - me * El] = before + col_total[e];
+      if (e == me * El + El - 1) p.status[0] = before + col_total[e];
+    }
+  }
+  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+    int sb = 0, cb = 0;
+    for (int s = 0; s < me; ++s) sb += cnt[s * C + E + d];
+    for (int q = 0; q < d; ++q) cb += cnt[me * C + E + q];
+    p.stage_base[d] = sb;
+    p.comb_base[d] = cb;
+  }
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int s = 0; s < R; ++s) {
+      p.src_base[s] = run;
+      run += cnt[s * C + E + me];
+    }
+    p.src_base[R] = run;
+  }
+}
+
 }  // namespace
 
-// ---- count: grid T/256, block 256, dynamic smem (kWarps * C + kWarps * 32 * top_k) ints -
+// ---- count (+ notify): grid T/256, block 256, dynamic smem (kWarps * C + kWarps * 32 * top_k) ints
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_ep_params p) {
   extern __shared__ int smem[];
   const int C = row_width(p), k = p.top_k;
@@ -259,91 +347,27 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
       if (v >= 0) p.tokpos[t * p.ranks + d] = v + h[p.experts + d];
     }
   }
-}
-
-// ---- notify: grid 1, block 1024 -------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_notify(moefuse_ep_params p) {
-  __shared__ uint64_t epoch_s;
-  __shared__ int col_total[MOEFUSE_SPEC_MAX_EXPERTS];  // one per expert
-  const int C = row_width(p), R = p.ranks, E = p.experts, El = p.local_experts, me = p.rank;
-  const int chunks = (p.tokens + kChunk - 1) / kChunk;
+  // The last block to finish runs notify (one launch fewer than a kernel of its own):
+  // every block's chunk counts are visible to it (block barrier, then thread 0's fence
+  // before its ticket; the last block fences again after its own).
+  __shared__ bool last;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    epoch_s = *p.epoch + 1;
-    *p.epoch = epoch_s;
-    p.status[0] = 0;
-  }
-  __syncthreads();
-  if (faulted(p)) {
-    if (threadIdx.x == 0) abort_peers(p, epoch_s);
-    return;
-  }
-  // Chunk counts -> exclusive bases per column; this rank's totals into its meta row.
-  int* mine = p.meta + me * C;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    int run = 0;
-    for (int ch = 0; ch < chunks; ++ch) {
-      const int v = p.chunk_cnt[ch * C + c];
-      p.chunk_cnt[ch * C + c] = run;
-      run += v;
-    }
-    mine[c] = run;
-  }
-  __syncthreads();
-  const uint64_t epoch = epoch_s;
-  for (int pe = 0; pe < R; ++pe) {
-    if (pe != me) {
-      nvshmemx_putmem_signal_block(mine, mine, sizeof(int) * size_t(C), p.meta_sig + me, epoch, NVSHMEM_SIGNAL_SET,
-                                   pe);
+    __threadfence();
+    last = atomicAdd(p.done + 2, 1u) == gridDim.x - 1;
+    if (last) {
+      p.done[2] = 0;
+      __threadfence();
     }
   }
-  bool ok = true;
-  for (int s = threadIdx.x; ok && s < R; s += blockDim.x) {
-    if (s != me) ok = wait_signal(p, p.meta_sig + s, epoch, MOEFUSE_EP_OP_NOTIFY, s);
-  }
-  __threadfence_system();
-  if (__syncthreads_or(!ok)) return;
-  for (int i = threadIdx.x; i < R * C; i += blockDim.x) p.counts_all[i] = __ldcv(p.meta + i);
   __syncthreads();
-
-  const int* cnt = p.counts_all;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int total = 0;
-    for (int s = 0; s < R; ++s) total += cnt[s * C + e];
-    col_total[e] = total;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const int owner = e / El;
-    int before = 0;  // rows of the owner's earlier experts
-    for (int f = owner * El; f < e; ++f) before += col_total[f];
-    int earlier_src = 0;  // rows of this expert from lower source ranks
-    for (int s = 0; s < me; ++s) earlier_src += cnt[s * C + e];
-    p.dest_row_base[e] = before + earlier_src;
-    if (owner == me) {
-      p.recv_offsets[e - me * El] = before + col_total[e];
-      if (e == me * El + El - 1) p.status[0] = before + col_total[e];
-    }
-  }
-  for (int d = threadIdx.x; d < R; d += blockDim.x) {
-    int sb = 0, cb = 0;
-    for (int s = 0; s < me; ++s) sb += cnt[s * C + E + d];
-    for (int q = 0; q < d; ++q) cb += cnt[me * C + E + q];
-    p.stage_base[d] = sb;
-    p.comb_base[d] = cb;
-  }
-  if (threadIdx.x == 0) {
-    int run = 0;
-    for (int s = 0; s < R; ++s) {
-      p.src_base[s] = run;
-      run += cnt[s * C + E + me];
-    }
-    p.src_base[R] = run;
-  }
+  if (last) notify(p);
 }
 
 // ---- dispatch: grid G, block 256 ------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
   __shared__ PeerTable peers;
+  __shared__ uint4* dst_rows[kWarps][kMaxTopK];
   const uint64_t epoch = *p.epoch;
   if (skip_send(p, epoch)) return;
   fill_peers(peers, p);
@@ -366,7 +390,29 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
       const size_t i = size_t(p.stage_base[d] + base[p.experts + d] + tp);
       const bool here = row_in_expert >= 0 && e / p.local_experts == d;
       const int info = lane < k ? (here ? row_in_expert : -1) : t;
-      if (uint16_t* peer_x = peers.stage_x[d]) {
+      if (d == p.rank) {
+        // This rank: the expert-major rows directly (what expand does for the others);
+        // only the staged row's info and weights are written (combine_send reads them).
+        int row = here ? row_in_expert : -1;
+        if (row >= p.recv_rows_cap) {
+          flag(p, MOEFUSE_EP_RECV_OVERFLOW);
+          row = -1;
+        }
+        const unsigned valid = __ballot_sync(~0u, row >= 0);
+        if (row >= 0) {
+          dst_rows[threadIdx.x / 32][__popc(valid & ((1u << lane) - 1))] =
+              reinterpret_cast<uint4*>(p.recv_x + size_t(row) * D);
+          p.recv_w[row] = w;
+          p.recv_origin[3 * size_t(row) + 0] = p.rank;
+          p.recv_origin[3 * size_t(row) + 1] = t;
+          p.recv_origin[3 * size_t(row) + 2] = lane;
+        }
+        if (lane <= k) p.stage_info[i * (k + 1) + lane] = info;
+        if (lane < k) p.stage_w[i * k + lane] = w;
+        __syncwarp();
+        warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8, lane);
+        __syncwarp();
+      } else if (uint16_t* peer_x = peers.stage_x[d]) {
         uint4* dst = reinterpret_cast<uint4*>(peer_x + i * D);
         warp_copy_row_to(&dst, 1, reinterpret_cast<const uint4*>(src), D / 8, lane);
         if (lane <= k) peers.stage_info[d][i * (k + 1) + lane] = info;
@@ -388,8 +434,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
   if (!wait_all(p, p.disp_sig, epoch, MOEFUSE_EP_OP_EXPAND)) return;
   const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int staged = p.src_base[p.ranks];
+  const int own0 = p.src_base[p.rank], own1 = p.src_base[p.rank + 1];  // dispatch expanded these
   const int warps = gridDim.x * kWarps;
   for (int i = blockIdx.x * kWarps + warp; i < staged; i += warps) {
+    if (i >= own0 && i < own1) continue;
     const int32_t* info = p.stage_info + size_t(i) * (k + 1);
     // Lane j < k: slot j's expert-major row here (or -1); compact the valid ones.
     int row = lane < k ? __ldcg(info + lane) : -1;
@@ -414,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
 }
 
 // ---- combine_send: grid G, block 256 --------------------------------------------------
-extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(moefuse_ep_params p) {
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_send(moefuse_ep_params p) {
   __shared__ PeerTable peers;
   __shared__ const uint4* y_rows[kWarps][kMaxTopK];
   __shared__ float y_w[kWarps][kMaxTopK];
@@ -442,6 +490,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(m
     for (int q = 0; q < p.rank; ++q) at += p.counts_all[src * C + p.experts + q];
     uint16_t* peer = peers.comb_x[src];
     uint4* target = reinterpret_cast<uint4*>(peer ? peer + size_t(at) * D : p.stage_x + size_t(i) * D);
+    // One PE: the partial is the token's whole output (what combine_reduce would copy).
+    if (p.ranks == 1) target = reinterpret_cast<uint4*>(p.out + size_t(__ldcg(info + k)) * D);
     warp_weighted_sum(y_rows[warp], y_w[warp], n_rows, target, D / 8, lane);
     if (!peer) {
       // The staged row is no longer needed: it held the partial; put it to the source.
@@ -450,11 +500,18 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_send(m
     }
     __syncwarp();
   }
+  if (p.ranks == 1) {
+    // Tokens routed nowhere (every id invalid) were never staged: their output is zero.
+    for (int t = blockIdx.x * kWarps + warp; t < p.tokens; t += warps) {
+      if (p.tokpos[t] >= 0) continue;
+      for (int c = lane; c < D / 8; c += 32) reinterpret_cast<uint4*>(p.out + size_t(t) * D)[c] = make_uint4(0, 0, 0, 0);
+    }
+  }
   last_block_signals(p, p.done + 1, p.comb_sig, epoch);
 }
 
 // ---- combine_reduce: grid G, block 256 ------------------------------------------------
-extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_combine_reduce(moefuse_ep_params p) {
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_reduce(moefuse_ep_params p) {
   __shared__ const uint4* parts[kWarps][MOEFUSE_EP_MAX_RANKS];
   const uint64_t epoch = *p.epoch;
   if (!wait_all(p, p.comb_sig, epoch, MOEFUSE_EP_OP_COMBINE)) return;

@@ -101,9 +101,11 @@ impl ExpertParallel {
         unsafe {
             self.module
                 .launch(kn.count, &s, chunks, 256, count_smem, &p)?;
-            self.module.launch(kn.notify, &s, 1, 1024, 0, &p)?;
             self.module.launch(kn.dispatch, &s, self.grid, 256, 0, &p)?;
-            self.module.launch(kn.expand, &s, self.grid, 256, 0, &p)?;
+            // One PE: dispatch wrote every expert-major row itself; nothing to expand.
+            if self.place.ranks() > 1 {
+                self.module.launch(kn.expand, &s, self.grid, 256, 0, &p)?;
+            }
         }
         Ok(())
     }
@@ -196,8 +198,11 @@ impl Dispatch<'_> {
         unsafe {
             ep.module
                 .launch(ep.kernels.combine_send, &s, ep.grid, 256, 0, &p)?;
-            ep.module
-                .launch(ep.kernels.combine_reduce, &s, ep.grid, 256, 0, &p)?;
+            // One PE: combine_send wrote `out` itself (one partial per token).
+            if ep.place.ranks() > 1 {
+                ep.module
+                    .launch(ep.kernels.combine_reduce, &s, ep.grid, 256, 0, &p)?;
+            }
         }
         Ok(())
     }

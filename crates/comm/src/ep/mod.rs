@@ -71,7 +71,7 @@ pub struct EpConfig {
 
 /// Largest world the count kernel's shared memory is sized for.
 pub const MAX_RANKS: usize = 64;
-/// Largest expert count (the notify kernel's per-expert table): the layer's limit,
+/// Largest expert count (notify's per-expert table): the layer's limit,
 /// `moefuse_spec::MAX_EXPERTS`.
 pub const MAX_EXPERTS: usize = moefuse_kernels::spec::MAX_EXPERTS;
 /// Most slots per token: the layer's limit, `moefuse_spec::MAX_TOP_K`.
@@ -180,8 +180,8 @@ struct Local {
 }
 
 struct Kernels {
+    /// count, whose last block runs notify.
     count: Kernel,
-    notify: Kernel,
     dispatch: Kernel,
     expand: Kernel,
     combine_send: Kernel,

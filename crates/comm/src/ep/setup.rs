@@ -64,7 +64,6 @@ impl ExpertParallel {
         let module = DeviceModule::load(runtime, "ep")?;
         let kernels = Kernels {
             count: module.kernel("moefuse_ep_count")?,
-            notify: module.kernel("moefuse_ep_notify")?,
             dispatch: module.kernel("moefuse_ep_dispatch")?,
             expand: module.kernel("moefuse_ep_expand")?,
             combine_send: module.kernel("moefuse_ep_combine_send")?,
@@ -133,7 +132,7 @@ impl ExpertParallel {
         }
         let local = Local {
             epoch: stream.clone_htod(&[epoch_base]).map_err(cuda)?,
-            done: zeros(stream, 2)?,
+            done: zeros(stream, 3)?,
             chunk_cnt: zeros(stream, t.div_ceil(params::CHUNK) * c)?,
             pos_local: zeros(stream, t * k)?,
             tokpos: zeros(stream, t * ranks)?,

@@ -69,7 +69,7 @@ typedef struct moefuse_ep_params {
   uint64_t* comb_sig;  /* sym [ranks] */
 
   uint64_t* epoch;        /* [1] the last call's epoch; notify increments it (starts at the agreed base) */
-  uint32_t* done;         /* [2] finished blocks of dispatch / combine_send (last block resets) */
+  uint32_t* done;         /* [3] finished blocks of dispatch / combine_send / count (last block resets) */
   int32_t* chunk_cnt;     /* [max_chunks][C] per-chunk counts, then exclusive bases */
   int32_t* pos_local;     /* [max_tokens][top_k] rank of (t, slot) in its expert within the chunk */
   int32_t* tokpos;        /* [max_tokens][ranks] rank of t among tokens sent to d (or -1) */

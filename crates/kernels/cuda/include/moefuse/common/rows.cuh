@@ -73,26 +73,40 @@ __device__ __forceinline__ void warp_copy_row_to(uint4* const* dst, int n_dst, c
   }
 }
 
+// warp_weighted_sum's loads in flight per lane: kRowBatch rows x kSumUnroll vectors
+// (16 bytes each). With one row at a time (4 loads in flight) the expert-parallel combine
+// read its rows at ~2.6 TB/s; 4 x 2 doubles that in 89 registers (the EP combine_send,
+// two 256-thread blocks per SM), where 8 x 2 needed 152 or spilled at 128.
+constexpr int kRowBatch = 4;
+constexpr int kSumUnroll = 2;
+
 // out = sum_j w[j] * rows[j] over `n_rows` rows of `n` vectors (w null: weights 1), summed
 // in fp32 in row order (deterministic), written as bf16 with the whole warp.
 __device__ __forceinline__ void warp_weighted_sum(const uint4* const* rows, const float* w, int n_rows, uint4* out,
                                                   int n, int lane) {
-  for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
-    float acc[kUnroll][8] = {};
-    for (int j = 0; j < n_rows; ++j) {
-      const float wj = w ? w[j] : 1.f;
-      uint4 v[kUnroll];
+  for (int c0 = lane; c0 < n; c0 += 32 * kSumUnroll) {
+    float acc[kSumUnroll][8] = {};
+    for (int j0 = 0; j0 < n_rows; j0 += kRowBatch) {
+      uint4 v[kRowBatch][kSumUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + 32 * u < n) v[u] = __ldcg(rows[j] + c0 + 32 * u);
+      for (int r = 0; r < kRowBatch; ++r) {
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          if (j0 + r < n_rows && c0 + 32 * u < n) v[r][u] = __ldcg(rows[j0 + r] + c0 + 32 * u);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + 32 * u < n) add_bf16x8(acc[u], v[u], wj);
+      for (int r = 0; r < kRowBatch; ++r) {
+        if (j0 + r >= n_rows) break;
+        const float wj = w ? w[j0 + r] : 1.f;
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          if (c0 + 32 * u < n) add_bf16x8(acc[u], v[r][u], wj);
+        }
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kSumUnroll; ++u) {
       if (c0 + 32 * u < n) out[c0 + 32 * u] = to_bf16x8(acc[u]);
     }
   }
