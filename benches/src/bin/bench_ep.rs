@@ -5,8 +5,9 @@
 //! `moefuse_comm::launch` (all on GPU 0 unless MOEFUSE_LAUNCH_GPUS says otherwise) and
 //! rank 0 writes the records. Balanced random top-k routing; experts are the identity
 //! (`y = received x`), so the combined output must equal `x` (weights sum to one): that
-//! is checked once before timing. Each sample times dispatch (count, notify, dispatch,
-//! expand) and combine (send, reduce) with CUDA events; inputs rotate beyond 3× L2.
+//! is checked once before timing. Each sample times dispatch (count with notify, dispatch,
+//! and expand beyond one PE) and combine (send, and reduce beyond one PE) with CUDA
+//! events; inputs rotate beyond 3× L2.
 //! GB/s counts token payload per rank as DeepEP reports it: each token once per
 //! destination rank it is sent to, `hidden · 2` bytes.
 

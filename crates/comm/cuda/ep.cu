@@ -208,7 +208,8 @@ __device__ __forceinline__ int source_of(const moefuse_ep_params& p, int i) {
 // theirs; derives every base. Every thread of the block calls it.
 __device__ void notify(const moefuse_ep_params& p) {
   __shared__ uint64_t epoch_s;
-  __shared__ int col_total[MOEFUSE_SPEC_MAX_EXPERTS];  // one per expert
+  __shared__ int col_total[MOEFUSE_SPEC_MAX_EXPERTS];   // one per expert
+  __shared__ int col_prefix[MOEFUSE_SPEC_MAX_EXPERTS];  // exclusive prefix of col_total
   const int C = row_width(p), R = p.ranks, E = p.experts, El = p.local_experts, me = p.rank;
   const int chunks = (p.tokens + kChunk - 1) / kChunk;
   if (threadIdx.x == 0) {
@@ -225,10 +226,16 @@ __device__ void notify(const moefuse_ep_params& p) {
   int* mine = p.meta + me * C;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
     int run = 0;
-    for (int ch = 0; ch < chunks; ++ch) {
-      const int v = __ldcg(p.chunk_cnt + ch * C + c);  // written by the other count blocks
-      p.chunk_cnt[ch * C + c] = run;
-      run += v;
+    // 8 chunks' loads in flight at a time (written by the other count blocks: from L2).
+    for (int ch0 = 0; ch0 < chunks; ch0 += 8) {
+      int v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = ch0 + u < chunks ? __ldcg(p.chunk_cnt + (ch0 + u) * C + c) : 0;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (ch0 + u < chunks) p.chunk_cnt[(ch0 + u) * C + c] = run;
+        run += v[u];
+      }
     }
     mine[c] = run;
   }
@@ -256,10 +263,29 @@ __device__ void notify(const moefuse_ep_params& p) {
     col_total[e] = total;
   }
   __syncthreads();
+  // Exclusive prefix of the column totals over all experts, by warp 0 (lane l sums a run
+  // of experts; a shuffle scan) in place of a serial sum per expert.
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, per = (E + 31) / 32;
+    const int e0 = min(lane * per, E), e1 = min(e0 + per, E);
+    int mine_sum = 0;
+    for (int e = e0; e < e1; ++e) mine_sum += col_total[e];
+    int before = mine_sum;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int v = __shfl_up_sync(~0u, before, o);
+      if (lane >= o) before += v;
+    }
+    before -= mine_sum;
+    for (int e = e0; e < e1; ++e) {
+      col_prefix[e] = before;
+      before += col_total[e];
+    }
+  }
+  __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int owner = e / El;
-    int before = 0;  // rows of the owner's earlier experts
-    for (int f = owner * El; f < e; ++f) before += col_total[f];
+    const int before = col_prefix[e] - col_prefix[owner * El];  // rows of the owner's earlier experts
     int earlier_src = 0;  // rows of this expert from lower source ranks
     for (int s = 0; s < me; ++s) earlier_src += cnt[s * C + e];
     p.dest_row_base[e] = before + earlier_src;
@@ -306,10 +332,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
   // distinct, so positions within an expert follow token order (stable).
   int* h = hist + warp * C;
   const unsigned slots = k >= 32 ? ~0u : ((1u << k) - 1u);
+  // Every (token, destination) starts as "not sent", in one coalesced pass.
+  for (int i = lane; i < n_tok * p.ranks; i += 32) p.tokpos[size_t(t0) * p.ranks + i] = -1;
+  __syncwarp();
   for (int i = 0; i < n_tok; ++i) {
     const int t = t0 + i;
-    for (int d = lane; d < p.ranks; d += 32) p.tokpos[t * p.ranks + d] = -1;
-    __syncwarp();
     if (lane < k) {
       const int e = ids[i * k + lane];
       const bool ok = e >= 0 && e < p.experts;
@@ -321,7 +348,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
       const unsigned same_expert = __match_any_sync(slots, e);
       if (ok && __popc(same_expert) > 1) flag(p, MOEFUSE_EP_DUPLICATE_EXPERT);
     }
-    __syncwarp();
   }
   __syncthreads();
 
@@ -336,16 +362,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
     p.chunk_cnt[blockIdx.x * C + c] = run;
   }
   __syncthreads();
-  for (int i = 0; i < n_tok; ++i) {
-    const int t = t0 + i;
-    if (lane < k) {
-      const int e = ids[i * k + lane];
-      if (e >= 0 && e < p.experts) p.pos_local[t * k + lane] += h[e];
-    }
-    for (int d = lane; d < p.ranks; d += 32) {
-      const int v = p.tokpos[t * p.ranks + d];
-      if (v >= 0) p.tokpos[t * p.ranks + d] = v + h[p.experts + d];
-    }
+  // Chunk-relative positions -> warp bases added, every (token, slot) and (token,
+  // destination) independently (a serial walk here waited on one load per token).
+  for (int i = lane; i < n_tok * k; i += 32) {
+    const int e = ids[i];
+    if (e >= 0 && e < p.experts) p.pos_local[size_t(t0) * k + i] += h[e];
+  }
+  for (int i = lane; i < n_tok * p.ranks; i += 32) {
+    const int v = p.tokpos[size_t(t0) * p.ranks + i];
+    if (v >= 0) p.tokpos[size_t(t0) * p.ranks + i] = v + h[p.experts + i % p.ranks];
   }
   // The last block to finish runs notify (one launch fewer than a kernel of its own):
   // every block's chunk counts are visible to it (block barrier, then thread 0's fence

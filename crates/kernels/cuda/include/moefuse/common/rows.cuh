@@ -53,18 +53,23 @@ __device__ __forceinline__ uint4 scale_bf16x8(uint4 v, float w) {
   return v;
 }
 
+// warp_copy_row_to's loads in flight per lane: a 4 KB row (hidden 2048) in one round trip.
+// With 4, the expert-parallel dispatch (one token per warp, two warps' worth of tokens per
+// warp slot) wrote its expert-major rows at ~2.7 TB/s.
+constexpr int kCopyUnroll = 8;
+
 // Copies one row of `n` 16-byte vectors from `src` into `n_dst` destinations with the whole
 // warp (a row feeding several experts is read once). Loads bypass L1 (`src` may have been
 // written by a peer GPU during the kernel).
 __device__ __forceinline__ void warp_copy_row_to(uint4* const* dst, int n_dst, const uint4* src, int n, int lane) {
   int c = lane;
-  for (; c + 32 * (kUnroll - 1) < n; c += 32 * kUnroll) {
-    uint4 v[kUnroll];
+  for (; c + 32 * (kCopyUnroll - 1) < n; c += 32 * kCopyUnroll) {
+    uint4 v[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(src + c + 32 * u);
+    for (int u = 0; u < kCopyUnroll; ++u) v[u] = __ldcg(src + c + 32 * u);
     for (int j = 0; j < n_dst; ++j) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) dst[j][c + 32 * u] = v[u];
+      for (int u = 0; u < kCopyUnroll; ++u) dst[j][c + 32 * u] = v[u];
     }
   }
   for (; c < n; c += 32) {
