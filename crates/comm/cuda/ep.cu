@@ -51,6 +51,7 @@
 #include <nvshmemx.h>
 
 #include "moefuse/comm/ep_params.h"
+#include "moefuse/common/rank_slots.cuh"
 #include "moefuse/common/rows.cuh"
 #include "moefuse/spec.h"
 
@@ -328,38 +329,19 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
   for (int i = lane; i < n_tok * k; i += 32) ids[i] = p.topk_ids[size_t(t0) * k + i];
   __syncthreads();
 
-  // Each warp takes its tokens in order, 32 / k of them per step: lane = (token i0 + q,
-  // slot j). Lanes naming one expert rank among themselves by lane order, which is token
-  // order (a token's experts are distinct; a duplicate ranks by slot and is flagged), after
-  // the earlier steps' rows the warp's histogram counted: positions within an expert follow
-  // token order (stable), as a serial walk gives them, in k times fewer dependent steps.
+  // Positions within each expert in token order (rank_slots), and one staging row per
+  // (token, destination): its lowest slot going there represents it, and the
+  // representatives of one destination rank among themselves in token (= lane) order.
   int* h = hist + warp * C;
   // Every (token, destination) starts as "not sent", in one coalesced pass.
   for (int i = lane; i < n_tok * p.ranks; i += 32) p.tokpos[size_t(t0) * p.ranks + i] = -1;
   __syncwarp();
-  const int per_step = 32 / k, q = lane / k, j = lane - q * k;
   const unsigned lower = (1u << lane) - 1u;
-  const unsigned token_lanes = (k >= 32 ? ~0u : ((1u << k) - 1u)) << (q * k);
-  for (int i0 = 0; i0 < n_tok; i0 += per_step) {
-    const int i = i0 + q, t = t0 + i;
-    const bool live = q < per_step && i < n_tok;
-    const int e = live ? ids[i * k + j] : -1;
-    const bool ok = live && e >= 0 && e < p.experts;
+  rank_slots(ids, n_tok, k, p.experts, h, lane, [&](int i, int j, int e, bool live, bool ok, int pos, bool dup, int q) {
+    const size_t t = size_t(t0) + i;
     if (live && !ok) flag(p, MOEFUSE_EP_BAD_EXPERT_ID);
-    // Position within the expert: lanes with the same expert, in lane order.
-    const unsigned same_expert = __match_any_sync(~0u, ok ? e : -1 - lane);
-    if (ok) {
-      const int leader = __ffs(same_expert) - 1;
-      int base = 0;
-      if (lane == leader) base = atomicAdd(&h[e], __popc(same_expert));
-      base = __shfl_sync(same_expert, base, leader);
-      p.pos_local[size_t(t) * k + j] = base + __popc(same_expert & lower);
-      if (__popc(same_expert & token_lanes) > 1) flag(p, MOEFUSE_EP_DUPLICATE_EXPERT);
-    } else if (live) {
-      p.pos_local[size_t(t) * k + j] = -1;
-    }
-    // One staging row per (token, destination): its lowest slot going there represents it,
-    // and the representatives of one destination rank among themselves in token order.
+    if (dup) flag(p, MOEFUSE_EP_DUPLICATE_EXPERT);
+    if (live) p.pos_local[t * k + j] = ok ? pos : -1;
     const int d = ok ? e / p.local_experts : -1;
     const unsigned same_dest = __match_any_sync(~0u, ok ? (q << 16) | d : -1 - lane);
     const bool rep = ok && lane == __ffs(same_dest) - 1;
@@ -369,9 +351,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
       int base = 0;
       if (lane == leader) base = atomicAdd(&h[p.experts + d], __popc(dest_reps));
       base = __shfl_sync(dest_reps, base, leader);
-      p.tokpos[size_t(t) * p.ranks + d] = base + __popc(dest_reps & lower);
+      p.tokpos[t * p.ranks + d] = base + __popc(dest_reps & lower);
     }
-  }
+  });
   __syncthreads();
 
   // Per-warp exclusive bases inside the chunk, and the chunk's totals.

@@ -14,13 +14,14 @@
 // outside the buffers. combine and combine_bwd also compare the permutation's tokens stamp
 // (flags[1]) with their own token count when given one.
 //
-// NOTES: stability comes from the count pass walking each warp's 32 tokens in order (a
-// token names each expert once, so in-expert order is token order); the same algorithm as
-// the expert-parallel count kernel (kernels/comm/ep.cu) without destination ranks.
+// NOTES: stability comes from the count pass ranking each warp's 32 tokens in token order
+// (common/rank_slots.cuh: a token names each expert once, so in-expert order is token
+// order), the function the expert-parallel count kernel (crates/comm/cuda/ep.cu) also uses.
 #include <cuda_bf16.h>
 
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
+#include "moefuse/common/rank_slots.cuh"
 #include "moefuse/common/rows.cuh"
 #include "moefuse/spec.h"
 
@@ -81,19 +82,13 @@ __global__ void __launch_bounds__(kThreads) permute_count(moefuse_permute_args p
   for (int i = lane; i < n_tok * k; i += 32) ids[i] = p.topk_ids[size_t(t0) * k + i];
   __syncthreads();
   int* h = hist + warp * E;
-  const unsigned slots = (1u << k) - 1u;
-  for (int i = 0; i < n_tok; ++i) {
-    if (lane < k) {
-      const int e = ids[i * k + lane];
-      const bool ok = e >= 0 && e < E;
-      if (!ok) raise(p.flags, MOEFUSE_MOE_ERROR_EXPERT_ID);
-      // row_of holds the in-chunk rank for now; place() adds the bases.
-      p.row_of[size_t(t0 + i) * k + lane] = ok ? atomicAdd(&h[e], 1) : -1;
-      const unsigned same = __match_any_sync(slots, e);
-      if (ok && __popc(same) > 1) raise(p.flags, MOEFUSE_MOE_ERROR_DUPLICATE);
-    }
-    __syncwarp();
-  }
+  rank_slots(ids, n_tok, k, E, h, lane, [&](int i, int j, int, bool live, bool ok, int pos, bool dup, int) {
+    if (live && !ok) raise(p.flags, MOEFUSE_MOE_ERROR_EXPERT_ID);
+    if (dup) raise(p.flags, MOEFUSE_MOE_ERROR_DUPLICATE);
+    // row_of holds the in-chunk rank for now; the second pass adds the warp bases, place()
+    // the chunk's.
+    if (live) p.row_of[size_t(t0 + i) * k + j] = ok ? pos : -1;
+  });
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int run = 0;
@@ -105,11 +100,9 @@ __global__ void __launch_bounds__(kThreads) permute_count(moefuse_permute_args p
     p.workspace[blockIdx.x * E + e] = run;
   }
   __syncthreads();
-  for (int i = 0; i < n_tok; ++i) {
-    if (lane < k) {
-      const int e = ids[i * k + lane];
-      if (e >= 0 && e < E) p.row_of[size_t(t0 + i) * k + lane] += h[e];
-    }
+  for (int i = lane; i < n_tok * k; i += 32) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) p.row_of[size_t(t0) * k + i] += h[e];
   }
 }
 
