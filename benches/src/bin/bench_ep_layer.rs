@@ -83,6 +83,12 @@ fn bench(
     let down_h = scale(wrng.bf16_vec(e * d * i), 1.7 / (i as f32).sqrt());
     let mut layer = EpMoeLayer::with_mode(rt, stream, cfg, t, Mode::Training)?;
     let (local, e0) = (layer.local_experts(), layer.first_expert());
+    println!(
+        "  rank {} of {}: memory, {}",
+        rt.rank(),
+        rt.ranks(),
+        layer.memory()
+    );
     let gate_up = stream.clone_htod(&gate_up_h[e0 * w * d..(e0 + local) * w * d])?;
     let down = stream.clone_htod(&down_h[e0 * d * i..(e0 + local) * d * i])?;
     let lw = LocalWeights {

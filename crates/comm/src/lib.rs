@@ -51,7 +51,8 @@ pub use bootstrap::{
     DEFAULT_LAUNCH_TIMEOUT,
 };
 pub use ep::{
-    Dispatch, EpConfig, ExpertParallel, RoutingFlags, DEFAULT_EP_TIMEOUT, MAX_EXPERTS, MAX_RANKS,
+    Dispatch, EpConfig, EpMemory, ExpertParallel, RoutingFlags, DEFAULT_EP_TIMEOUT, MAX_EXPERTS,
+    MAX_RANKS,
 };
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};

@@ -52,6 +52,21 @@ pub(crate) struct Training {
 }
 
 impl Training {
+    /// The backward's two exchanges and its own buffers into `m`.
+    pub(crate) fn add_memory(&self, m: &mut crate::EpLayerMemory) {
+        m.add_exchange(self.dy_ep.memory());
+        m.add_exchange(self.s_ep.memory());
+        let bf16s = self.s_zeros.len()
+            + self.dy_perm.len()
+            + self.dh.len()
+            + self.d_h_pre.len()
+            + self.dx_perm.len()
+            + self.s_rows.len()
+            + self.s_home.len();
+        let words = self.logits.len() + self.identity.len() + self.ones.len() + self.s.len();
+        m.layer += 2 * bf16s + 4 * words;
+    }
+
     pub(crate) fn new(
         runtime: &Arc<Runtime>,
         stream: &Arc<CudaStream>,

@@ -168,6 +168,19 @@ impl ExchangeLayer {
         self.max_tokens
     }
 
+    /// The exchanges' memory and this layer's own buffers ([`crate::EpLayerMemory`]).
+    pub(crate) fn memory(&self) -> crate::EpLayerMemory {
+        let mut m = crate::EpLayerMemory::default();
+        m.add_exchange(self.ep.memory());
+        m.layer = self.gemm_ws.len()
+            + 4 * (self.ids.len() + self.weights.len())
+            + 2 * (self.h_pre.len() + self.h.len() + self.y_e.len());
+        if let Some(t) = &self.train {
+            t.add_memory(&mut m);
+        }
+        m
+    }
+
     /// The fields a backward uses at once (disjoint borrows), `None` in Inference.
     pub(crate) fn backward_parts(&mut self) -> Option<(Parts<'_>, &GroupedGemm, &ActivationDesc)> {
         let train = self.train.as_mut()?;

@@ -109,6 +109,27 @@ impl EpMoeLayer {
         }
     }
 
+    /// What this rank's layer holds on its device ([`crate::EpLayerMemory`]): at one rank
+    /// no exchange, the single-GPU layer's memory and its workspace; from two ranks the
+    /// exchanges' symmetric and local buffers (allocated once, from `max_tokens · top_k`)
+    /// and the layer's own.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: &moefuse_ep::EpMoeLayer) {
+    /// let m = layer.memory();
+    /// println!("{m}"); // e.g. "1 exchange(s): 561.1 MiB symmetric + ...; total ... MiB"
+    /// # }
+    /// ```
+    pub fn memory(&self) -> crate::EpLayerMemory {
+        match &self.inner {
+            Inner::Single(s) => crate::EpLayerMemory {
+                layer: s.layer.memory().total() + s.workspace.bytes(),
+                ..Default::default()
+            },
+            Inner::Exchange(x) => x.memory(),
+        }
+    }
+
     /// Most tokens per call on this rank.
     ///
     /// ```no_run

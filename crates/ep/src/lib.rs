@@ -43,8 +43,10 @@ mod backward;
 mod error;
 mod exchange;
 mod layer;
+mod memory;
 
 pub use backward::EpGradients;
 pub use error::EpError;
 pub use exchange::{EpRouting, LocalWeights};
 pub use layer::EpMoeLayer;
+pub use memory::EpLayerMemory;

@@ -110,6 +110,25 @@ fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<
     let mut layer =
         EpMoeLayer::with_mode(rt, stream, cfg, max_tokens.max(1), Mode::Training).map_err(e)?;
     let (local, e0) = (layer.local_experts(), layer.first_expert());
+    // What the layer holds: no exchange at one rank; from two ranks the forward's and the
+    // backward's two, the forward's sized for every rank's max_tokens tokens (no capacity
+    // factor) and its staging rows on the symmetric heap.
+    let mem = layer.memory();
+    let ranks = rt.ranks();
+    let sized = if ranks == 1 {
+        mem.exchanges == 0 && mem.symmetric == 0 && mem.layer > 0
+    } else {
+        let staged = ranks * max_tokens.max(1);
+        mem.exchanges == 3
+            && mem.staging_rows == staged
+            && mem.recv_rows == staged * k.min(local)
+            && mem.symmetric >= staged * d * 2
+            && mem.exchange_local >= mem.recv_rows * d * 2
+            && mem.layer > 0
+    };
+    if !sized {
+        return Err(format!("rank {rank} of {ranks}: memory() {mem:?}"));
+    }
     let bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
     let gate_up = stream
         .clone_htod(&bf(&p.weights.gate_up[e0 * w * d..(e0 + local) * w * d]))

@@ -291,7 +291,9 @@ impl Call {
                 #[cfg(moefuse_moe_linked)]
                 Call::ActivationBackward(a) => ffi::moefuse_moe_activation_bwd(a, stream),
                 #[cfg(moefuse_moe_linked)]
-                Call::ActivationBackwardRouted(a) => ffi::moefuse_moe_activation_bwd_routed(a, stream),
+                Call::ActivationBackwardRouted(a) => {
+                    ffi::moefuse_moe_activation_bwd_routed(a, stream)
+                }
                 #[cfg(moefuse_moe_linked)]
                 Call::Permute(a) => ffi::moefuse_moe_permute(a, stream),
                 #[cfg(moefuse_moe_linked)]

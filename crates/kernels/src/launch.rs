@@ -30,8 +30,7 @@
 use crate::bind::Binder;
 use crate::moe_ops::{
     Activation, ActivationBackwardRouted, ColumnsToF32, CombineBackward, CombineForward,
-    DecodeForward, GatherRows, GateUpFused, Permute, RouterBackward, RouterForward,
-    ScatterColumns,
+    DecodeForward, GateUpFused, GatherRows, Permute, RouterBackward, RouterForward, ScatterColumns,
 };
 use crate::ops::{Gemm, GroupedGemm};
 use crate::{KernelError, Kernels};

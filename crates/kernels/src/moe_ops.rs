@@ -479,28 +479,30 @@ impl<'a> ActivationBackwardRouted<'a> {
         if rows == 0 {
             return Ok(None);
         }
-        Ok(Some(Call::ActivationBackwardRouted(ffi::MoefuseActivationRoutedArgs {
-            act: ffi::MoefuseActivationArgs {
-                activation: raw,
-                layout: self.layout.raw(),
-                intermediate: to_i32(kernel, "intermediate", i)?,
-                max_rows: to_i32(kernel, "max_rows", rows)?,
-                alpha,
-                limit,
-                total_rows: total as *const i32,
-                h_pre: h_pre as *const _,
-                dh: dh as *const _,
-                out: d_h_pre as *mut _,
+        Ok(Some(Call::ActivationBackwardRouted(
+            ffi::MoefuseActivationRoutedArgs {
+                act: ffi::MoefuseActivationArgs {
+                    activation: raw,
+                    layout: self.layout.raw(),
+                    intermediate: to_i32(kernel, "intermediate", i)?,
+                    max_rows: to_i32(kernel, "max_rows", rows)?,
+                    alpha,
+                    limit,
+                    total_rows: total as *const i32,
+                    h_pre: h_pre as *const _,
+                    dh: dh as *const _,
+                    out: d_h_pre as *mut _,
+                },
+                slots: to_i32(kernel, "slots", slots)?,
+                top_k: to_i32(kernel, "top_k", self.top_k)?,
+                source_of: source_of as *const i32,
+                weights: weights as *const f32,
+                d_weights: d_weights as *mut f32,
+                h_scaled: h_scaled as *mut _,
+                errors: errors as *mut u32,
+                expect_tokens: expect as *const u32,
             },
-            slots: to_i32(kernel, "slots", slots)?,
-            top_k: to_i32(kernel, "top_k", self.top_k)?,
-            source_of: source_of as *const i32,
-            weights: weights as *const f32,
-            d_weights: d_weights as *mut f32,
-            h_scaled: h_scaled as *mut _,
-            errors: errors as *mut u32,
-            expect_tokens: expect as *const u32,
-        })))
+        )))
     }
 }
 

@@ -27,10 +27,12 @@
 
 mod dispatch;
 pub(crate) mod guard;
+mod memory;
 mod params;
 mod setup;
 
 pub use dispatch::Dispatch;
+pub use memory::EpMemory;
 
 use crate::device_module::{self, DeviceModule, HostWords, Kernel};
 use crate::{CommError, Placement, Runtime, SymmetricBuffer};

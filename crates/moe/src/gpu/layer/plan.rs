@@ -432,7 +432,10 @@ mod tests {
         let routing = 4 * r * 4 + 1024 + 8 + 32 * 128 * 4;
         assert_eq!(train.routing, routing + 8192 * 4);
         assert_eq!(train.saved_for_backward(), 228 * MIB + train.routing);
-        assert!(train.saved_for_backward() <= 260_000_000, "issue 12's memory target");
+        assert!(
+            train.saved_for_backward() <= 260_000_000,
+            "issue 12's memory target"
+        );
         let inf = plan.memory(Mode::Inference);
         assert_eq!((inf.activations, inf.logits), (0, 0));
         assert_eq!(inf.saved_for_backward(), 0);
@@ -469,7 +472,10 @@ mod tests {
         let plan = MoePlan::new(cfg, 10).unwrap();
         assert_eq!(plan.memory(Mode::Training).logits, 0);
         // x [10, 128] and h_pre [20, 128].
-        assert_eq!(plan.memory(Mode::Training).activations, (10 * 128 + 20 * 128) * 2);
+        assert_eq!(
+            plan.memory(Mode::Training).activations,
+            (10 * 128 + 20 * 128) * 2
+        );
     }
 
     #[test]
@@ -502,6 +508,9 @@ mod tests {
         // D 64, I 256, W 512, R 14: forward A = max(D, I), B = max(W, D).
         assert_eq!(plan.workspace_bytes(Mode::Inference), 14 * (256 + 512) * 2);
         // Backward: 2D + 2I + W = 128 + 512 + 512.
-        assert_eq!(plan.workspace_bytes(Mode::Training), 14 * (128 + 512 + 512) * 2);
+        assert_eq!(
+            plan.workspace_bytes(Mode::Training),
+            14 * (128 + 512 + 512) * 2
+        );
     }
 }
