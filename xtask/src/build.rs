@@ -110,12 +110,42 @@ fn eta(compiled_secs: &[f64], left: usize, jobs: usize) -> String {
     format!("ETA ≤{}m{:02}s", secs / 60, secs % 60)
 }
 
-/// Checks every kernel object: it carries an ELF for its arch, and its SASS has the
-/// tensor-core instruction of that arch (HGMMA on sm_90a, UTCHMMA/UTCQMMA on sm_100a).
+/// Checks every kernel object: an arch's object carries that arch's ELF and its SASS has the
+/// tensor-core instruction of that arch (HGMMA on sm_90a, UTCHMMA/UTCQMMA on sm_100a); a fat
+/// object (built for every selected arch) carries every selected arch's ELF and SASS.
 pub fn inspect(sm: &str) -> Result<()> {
     let objects = build_kernels(sm, None)?;
+    let archs = parse_archs(sm).map_err(|e| e.to_string())?;
     let tc = Toolchain::discover().map_err(|e| e.to_string())?;
     let mut failures = Vec::new();
+    // Fat units (the MoE data-movement, router, activation and decode kernels, built for every
+    // selected arch): each arch's ELF must be in the object, with SASS for its functions.
+    for obj in objects.iter().filter(|o| o.unit.kind == UnitKind::FatObject) {
+        let list = cuobjdump(&tc, "--list-elf", obj)?;
+        let sass = cuobjdump(&tc, "--dump-sass", obj)?;
+        let functions = sass.matches("Function : ").count();
+        let missing: Vec<&str> = archs
+            .iter()
+            .map(|a| match a {
+                Arch::Sm90a => "sm_90a",
+                Arch::Sm100a => "sm_100a",
+            })
+            .filter(|elf| !list.contains(elf))
+            .collect();
+        println!(
+            "  {:<70} fat: {} ELF(s), {functions} functions{}",
+            obj.unit.label(),
+            archs.len() - missing.len(),
+            if missing.is_empty() {
+                String::new()
+            } else {
+                format!(", missing {}", missing.join(", "))
+            }
+        );
+        if !missing.is_empty() || functions == 0 {
+            failures.push(obj.unit.label());
+        }
+    }
     for obj in objects.iter().filter(|o| o.unit.arch.is_some()) {
         let arch = obj.unit.arch.expect("filtered");
         let (elf, mma): (&str, &[&str]) = match arch {
@@ -149,7 +179,10 @@ pub fn inspect(sm: &str) -> Result<()> {
         }
     }
     if failures.is_empty() {
-        println!("inspect: every kernel object has its arch's ELF and tensor-core SASS");
+        println!(
+            "inspect: every kernel object has its arch's ELF and tensor-core SASS, every fat \
+             object each selected arch's ELF"
+        );
         Ok(())
     } else {
         Err(format!("inspect failed for: {}", failures.join(", ")))
