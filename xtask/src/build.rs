@@ -120,7 +120,10 @@ pub fn inspect(sm: &str) -> Result<()> {
     let mut failures = Vec::new();
     // Fat units (the MoE data-movement, router, activation and decode kernels, built for every
     // selected arch): each arch's ELF must be in the object, with SASS for its functions.
-    for obj in objects.iter().filter(|o| o.unit.kind == UnitKind::FatObject) {
+    for obj in objects
+        .iter()
+        .filter(|o| o.unit.kind == UnitKind::FatObject)
+    {
         let list = cuobjdump(&tc, "--list-elf", obj)?;
         let sass = cuobjdump(&tc, "--dump-sass", obj)?;
         let functions = sass.matches("Function : ").count();

@@ -232,7 +232,8 @@ impl MoeLayer {
             weights: wts,
             perm,
         } = &mut self.routing;
-        let (k, s, layout) = (self.plan.config().top_k, cx.stream, self.plan.backward_layout());
+        let (k, s) = (self.plan.config().top_k, cx.stream);
+        let layout = self.plan.backward_layout();
         p.begin(s)?;
         workspace.with_slots(layout, |mut sc| -> Result<(), MoeError> {
             let row_of = &perm.row_of;
@@ -243,7 +244,14 @@ impl MoeLayer {
             let gather = cx.gather_rows(t, k, row_of, dy, &mut dy_perm, &mut perm.errors, true);
             p.stage(s, "dy gather", gather)?;
             let (dy_perm, mut dh) = sc.io(DY_PERM, DH);
-            let dgrad = cx.gemm(&g.down_dgrad, &perm.offsets, &dy_perm, &w.down, &mut dh, gws);
+            let dgrad = cx.gemm(
+                &g.down_dgrad,
+                &perm.offsets,
+                &dy_perm,
+                &w.down,
+                &mut dh,
+                gws,
+            );
             p.stage(s, "down dgrad", dgrad)?;
             let (dh, [mut d_h_pre, mut h_scaled]) = sc.read_write2(DH, [D_H_PRE, H_SCALED]);
             let dtw = &mut grads.d_topk_weights;
@@ -252,13 +260,28 @@ impl MoeLayer {
             p.stage(s, "activation bwd (routed)", act)?;
             let off = &perm.offsets;
             let (dy_perm, h_scaled) = (sc.get(DY_PERM), sc.get(H_SCALED));
-            let wgrad = cx.gemm(&g.down_wgrad[acc], off, &dy_perm, &h_scaled, &mut grads.d_down, gws);
+            let (d_down, d_gate_up) = (&mut grads.d_down, &mut grads.d_gate_up);
+            let wgrad = cx.gemm(&g.down_wgrad[acc], off, &dy_perm, &h_scaled, d_down, gws);
             p.stage(s, "down wgrad", wgrad)?;
             let (d_h_pre, mut dx_perm) = sc.io(D_H_PRE, DX_PERM);
-            let dgrad = cx.gemm(&g.gate_up_dgrad, off, &d_h_pre, &w.gate_up, &mut dx_perm, gws);
+            let dgrad = cx.gemm(
+                &g.gate_up_dgrad,
+                off,
+                &d_h_pre,
+                &w.gate_up,
+                &mut dx_perm,
+                gws,
+            );
             p.stage(s, "gate_up dgrad", dgrad)?;
             let (d_h_pre, x_perm) = (sc.get(D_H_PRE), sc.get(X_AGAIN));
-            let wgrad = cx.gemm(&g.gate_up_wgrad[acc], off, &d_h_pre, &x_perm, &mut grads.d_gate_up, gws);
+            let wgrad = cx.gemm(
+                &g.gate_up_wgrad[acc],
+                off,
+                &d_h_pre,
+                &x_perm,
+                d_gate_up,
+                gws,
+            );
             p.stage(s, "gate_up wgrad", wgrad)?;
             let errors = &mut perm.errors;
             let dx_combine = cx.combine(t, &perm.row_of, None, &sc.get(DX_PERM), dx, errors, true);
