@@ -360,36 +360,82 @@ impl<'a> Activation<'a> {
         let kernel = &b.kernel.clone();
         let (i, rows) = (self.intermediate, self.max_rows);
         check_range(kernel, "intermediate", i as i128, 1, i32::MAX as i128)?;
-        let width = if self.kind.is_gated() { 2 * i } else { i };
-        check_range(kernel, "row width", width as i128, 1, i32::MAX as i128)?;
-        let (raw, alpha, limit) = self.kind.raw(kernel)?;
-        let wide = extent(kernel, "rows * W", &[rows, width])?;
-        let narrow = extent(kernel, "rows * I", &[rows, i])?;
+        let shape = ActivationShape::new(kernel, self.kind, i, rows)?;
         let total = b.read_opt("total_rows", self.total_rows, 1, 4)?;
-        let h_pre = b.read("h_pre", self.h_pre, wide, 2)?;
+        let h_pre = b.read("h_pre", self.h_pre, shape.wide, 2)?;
         let backward = self.backward.is_some();
-        let dh = b.read_opt("dh", self.backward, narrow, 2)?;
-        let out = b.write("out", self.out, if backward { wide } else { narrow }, 2)?;
+        let dh = b.read_opt("dh", self.backward, shape.narrow, 2)?;
+        let out_len = if backward { shape.wide } else { shape.narrow };
+        let out = b.write("out", self.out, out_len, 2)?;
         if rows == 0 {
             return Ok(None);
         }
-        let args = ffi::MoefuseActivationArgs {
-            activation: raw,
-            layout: self.layout.raw(),
-            intermediate: to_i32(kernel, "intermediate", i)?,
-            max_rows: to_i32(kernel, "max_rows", rows)?,
-            alpha,
-            limit,
-            total_rows: total as *const i32,
-            h_pre: h_pre as *const _,
-            dh: dh as *const _,
-            out: out as *mut _,
-        };
+        let args = shape.args(kernel, self.layout, [total, h_pre, dh, out])?;
         Ok(Some(if backward {
             Call::ActivationBackward(args)
         } else {
             Call::ActivationForward(args)
         }))
+    }
+}
+
+/// What both activation ops check and derive from the activation, `I` and the row count:
+/// the kernel's activation code and parameters, the wide (`[rows, W]`) and narrow
+/// (`[rows, I]`) buffer lengths.
+struct ActivationShape {
+    raw: i32,
+    alpha: f32,
+    limit: f32,
+    intermediate: usize,
+    rows: usize,
+    wide: usize,
+    narrow: usize,
+}
+
+impl ActivationShape {
+    fn new(
+        kernel: &str,
+        kind: ActivationKind,
+        intermediate: usize,
+        rows: usize,
+    ) -> Result<Self, KernelError> {
+        let width = if kind.is_gated() {
+            2 * intermediate
+        } else {
+            intermediate
+        };
+        check_range(kernel, "row width", width as i128, 1, i32::MAX as i128)?;
+        let (raw, alpha, limit) = kind.raw(kernel)?;
+        Ok(ActivationShape {
+            raw,
+            alpha,
+            limit,
+            intermediate,
+            rows,
+            wide: extent(kernel, "rows * W", &[rows, width])?,
+            narrow: extent(kernel, "rows * I", &[rows, intermediate])?,
+        })
+    }
+
+    /// The kernel arguments, from the bound addresses `[total_rows, h_pre, dh, out]`.
+    fn args(
+        &self,
+        kernel: &str,
+        layout: GateUpLayout,
+        [total, h_pre, dh, out]: [u64; 4],
+    ) -> Result<ffi::MoefuseActivationArgs, KernelError> {
+        Ok(ffi::MoefuseActivationArgs {
+            activation: self.raw,
+            layout: layout.raw(),
+            intermediate: to_i32(kernel, "intermediate", self.intermediate)?,
+            max_rows: to_i32(kernel, "max_rows", self.rows)?,
+            alpha: self.alpha,
+            limit: self.limit,
+            total_rows: total as *const i32,
+            h_pre: h_pre as *const _,
+            dh: dh as *const _,
+            out: out as *mut _,
+        })
     }
 }
 
@@ -457,11 +503,8 @@ impl<'a> ActivationBackwardRouted<'a> {
         let (i, rows) = (self.intermediate, self.max_rows);
         check_range(kernel, "intermediate", i as i128, 8, i32::MAX as i128)?;
         check_multiple(kernel, "intermediate", i, 8)?;
-        let width = if self.kind.is_gated() { 2 * i } else { i };
-        check_range(kernel, "row width", width as i128, 1, i32::MAX as i128)?;
-        let (raw, alpha, limit) = self.kind.raw(kernel)?;
-        let wide = extent(kernel, "rows * W", &[rows, width])?;
-        let narrow = extent(kernel, "rows * I", &[rows, i])?;
+        let shape = ActivationShape::new(kernel, self.kind, i, rows)?;
+        let (wide, narrow) = (shape.wide, shape.narrow);
         let total = b.read_opt("total_rows", self.total_rows, 1, 4)?;
         let h_pre = b.read("h_pre", self.h_pre, wide, 16)?;
         let dh = b.read("dh_u", self.dh_u, narrow, 16)?;
@@ -481,18 +524,7 @@ impl<'a> ActivationBackwardRouted<'a> {
         }
         Ok(Some(Call::ActivationBackwardRouted(
             ffi::MoefuseActivationRoutedArgs {
-                act: ffi::MoefuseActivationArgs {
-                    activation: raw,
-                    layout: self.layout.raw(),
-                    intermediate: to_i32(kernel, "intermediate", i)?,
-                    max_rows: to_i32(kernel, "max_rows", rows)?,
-                    alpha,
-                    limit,
-                    total_rows: total as *const i32,
-                    h_pre: h_pre as *const _,
-                    dh: dh as *const _,
-                    out: d_h_pre as *mut _,
-                },
+                act: shape.args(kernel, self.layout, [total, h_pre, dh, d_h_pre])?,
                 slots: to_i32(kernel, "slots", slots)?,
                 top_k: to_i32(kernel, "top_k", self.top_k)?,
                 source_of: source_of as *const i32,
