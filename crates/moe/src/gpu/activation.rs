@@ -89,8 +89,18 @@ impl ActivationDesc {
         check_max("intermediate", self.intermediate, MAX_INTERMEDIATE)
     }
 
-    /// The kernels' activation and gate/up layout.
-    pub(super) fn kernel_kind(&self) -> (mk::ActivationKind, mk::GateUpLayout) {
+    /// The kernels' activation and gate/up layout (`moefuse_kernels`' enums), for calling
+    /// the kernel ops of `moefuse_kernels` directly.
+    ///
+    /// ```
+    /// use moefuse::gpu::ActivationDesc;
+    /// use moefuse::{Activation, GateUpLayout};
+    /// let desc = ActivationDesc::new(Activation::SwiGlu, GateUpLayout::Split, 64);
+    /// let (kind, layout) = desc.kernel_kind();
+    /// assert_eq!(kind, moefuse_kernels::ActivationKind::SwiGlu);
+    /// assert_eq!(layout, moefuse_kernels::GateUpLayout::Split);
+    /// ```
+    pub fn kernel_kind(&self) -> (mk::ActivationKind, mk::GateUpLayout) {
         let layout = match self.layout {
             GateUpLayout::Split => mk::GateUpLayout::Split,
             GateUpLayout::Interleaved => mk::GateUpLayout::Interleaved,

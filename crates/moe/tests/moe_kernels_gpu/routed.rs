@@ -16,21 +16,6 @@ use moefuse_kernels::{self as mk, Kernels};
 use moefuse_testkit::{check_close, to_f32, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
-fn kernel_kind(act: Activation, layout: GateUpLayout) -> (mk::ActivationKind, mk::GateUpLayout) {
-    let layout = match layout {
-        GateUpLayout::Split => mk::GateUpLayout::Split,
-        GateUpLayout::Interleaved => mk::GateUpLayout::Interleaved,
-    };
-    let kind = match act {
-        Activation::SwiGlu => mk::ActivationKind::SwiGlu,
-        Activation::GeGlu => mk::ActivationKind::GeGlu,
-        Activation::SwiGluOai { alpha, limit } => mk::ActivationKind::SwiGluOai { alpha, limit },
-        Activation::BoundedSwiGlu { limit } => mk::ActivationKind::BoundedSwiGlu { limit },
-        Activation::Relu2 => mk::ActivationKind::Relu2,
-    };
-    (kind, layout)
-}
-
 /// The tokens stamp a case hands the kernel.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Stamp {
@@ -179,7 +164,7 @@ fn check_routed(
             tokens
         }])
         .map_err(&e)?;
-    let (kind, kl) = kernel_kind(act, layout);
+    let (kind, kl) = moefuse::gpu::ActivationDesc::new(act, layout, i).kernel_kind();
     kernels
         .launch(
             stream,
