@@ -260,7 +260,7 @@ pub fn dot_scales(fwd: &reference::ForwardOutput, dy: &[f32], d: usize) -> Vec<f
 
 /// Dot products checked against their rounding scale: every element within
 /// `bound · max(|want|, scale)` (so a well-conditioned dot is held to `bound` relative,
-/// a cancelling one to `bound` of its terms' scale), and nothing left poisoned.
+/// a cancelling one to `bound` of its terms' scale); a NaN on one side only fails.
 pub fn check_dots(
     got: &[f32],
     want: &[f32],
