@@ -135,8 +135,9 @@ run_sanitize() {
 # Nsight Compute on one pack binary: `run.sh ncu KERNEL_REGEX PROGRAM [ARGS]` profiles the
 # first NCU_COUNT (default 2) launches of kernels whose name matches the regex (after
 # NCU_SKIP, default 1, warm-up launches) with the sections that say where a kernel's time
-# goes (speed of light, memory workload, warp-state stalls, scheduler, source counters),
-# writes $OUT/ncu.ncu-rep (open it in the Nsight Compute GUI) and prints the details page.
+# goes (speed of light, memory workload, warp-state stalls, scheduler, source counters; or
+# the NCU_SECTIONS list), writes $OUT/ncu.ncu-rep (open it in the Nsight Compute GUI) and
+# $OUT/ncu.source.csv (the SASS with its counters and stall samples), prints the details page.
 # PROGRAM is a test binary (tests/NAME-test, with its own arguments, e.g. --exact TEST) or a
 # program of bin/.
 run_ncu() {
@@ -144,12 +145,15 @@ run_ncu() {
   local ncu bin
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   if [ -x "$here/tests/$prog-test" ]; then bin="$here/tests/$prog-test"; else bin="$here/bin/$prog"; fi
+  local sections=() s
+  for s in ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis WarpStateStats SchedulerStats SourceCounters \
+    LaunchStats Occupancy}; do sections+=(--section "$s"); done
   "$ncu" --kernel-name "regex:$regex" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-2}" \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-    --section SchedulerStats --section SourceCounters --section LaunchStats --section Occupancy \
-    --export "$out/ncu" --force-overwrite "$bin" "$@" > "$out/ncu.log" 2>&1
+    "${sections[@]}" --export "$out/ncu" --force-overwrite "$bin" "$@" > "$out/ncu.log" 2>&1
   local rc=$?
   "$ncu" --import "$out/ncu.ncu-rep" --page details 2>/dev/null | head -400
+  # Per-SASS-instruction counters (warp stall samples by reason among them), for a text-only look.
+  "$ncu" --import "$out/ncu.ncu-rep" --page source --csv --print-source sass > "$out/ncu.source.csv" 2>/dev/null
   echo "ncu: exit $rc; log in \$OUT/ncu.log, report in \$OUT/ncu.ncu-rep"
   return $rc
 }

@@ -21,8 +21,8 @@ use clap::Parser;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{
-    decode_applies, decode_preferred, DecodePath, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing,
-    Weights,
+    decode_applies, decode_preferred, DecodePath, GateUpPath, Mode, MoeLayer, MoePlan,
+    MoeWorkspace, Routing, Weights,
 };
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
 use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
@@ -306,7 +306,7 @@ fn bench_case(
         }
     }
     // The forward alone, per layer: Inference (what a server runs) and, where the device
-    // runs it, the same Training forward with the fused gate_up (opt-in) beside the default.
+    // runs them, the fused gate_up paths (opt-in, Training and Inference) beside the default.
     let time_forward = |l: &mut MoeLayer, work: &mut MoeWorkspace, y: &mut CudaSlice<bf16>| {
         time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
             Ok(l.forward(wv, &xs[s % sets], t, ext(), y, work)?)
@@ -363,8 +363,18 @@ fn bench_case(
     } else {
         None
     };
-    let fused_us = if moefuse::gpu::gate_up_fused_supported(stream)? {
-        layer.set_fused_gate_up(true)?;
+    // The fused gate_up paths (sm_90a), each checked against the host, timed as a Training
+    // forward, and profiled with --profile.
+    let mut fused = Vec::new();
+    let fused_paths = [
+        (GateUpPath::FusedActivation, "moefuse_fused_activation"),
+        (GateUpPath::FusedGather, "moefuse_fused_gate_up"),
+    ];
+    for (path, backend) in fused_paths {
+        if !moefuse::gpu::gate_up_fused_supported(stream)? {
+            break;
+        }
+        layer.set_gate_up_path(path)?;
         layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
         let got: Vec<f32> = stream.clone_dtoh(&y)?[..n * d]
             .iter()
@@ -372,6 +382,9 @@ fn bench_case(
             .collect();
         let fused_err = rel_err(&got, &want);
         let us = time_forward(layer, work, &mut y);
+        infer.set_gate_up_path(path)?;
+        let infer_fused_us = time_forward(infer, work, &mut y);
+        infer.set_gate_up_path(GateUpPath::Unfused)?;
         if args.profile {
             layer.set_profiling(true);
             layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -382,21 +395,20 @@ fn bench_case(
                 .map(|(n, ms)| format!("{n} {:.0}", ms * 1e3))
                 .collect();
             println!(
-                "  {model} t{t} fused gate_up stages (us): fwd [{}]",
+                "  {model} t{t} {path:?} stages (us): fwd [{}]",
                 show.join(", ")
             );
         }
-        layer.set_fused_gate_up(false)?;
+        layer.set_gate_up_path(GateUpPath::Unfused)?;
         if !moefuse_testkit::within(fused_err, 2e-2) {
             return Err(format!(
-                "{model} t{t}: fused gate_up output differs from the host check: {fused_err}"
+                "{model} t{t}: {path:?} output differs from the host check: {fused_err}"
             )
             .into());
         }
-        Some((us?, fused_err))
-    } else {
-        None
-    };
+        fused.push((backend, "fwd", us?, fused_err));
+        fused.push((backend, "fwd-infer", infer_fused_us?, fused_err));
+    }
     if args.profile {
         layer.set_profiling(true);
         layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -436,8 +448,8 @@ fn bench_case(
         rec("fwd-infer", infer_us, fwd_flops),
         rec("fwd-infer-graph", graph_us, fwd_flops),
     ];
-    if let Some((us, fused_err)) = fused_us {
-        let mut r = rec_as("moefuse_fused_gate_up", "fwd", us, fwd_flops);
+    for (backend, phase, us, fused_err) in fused {
+        let mut r = rec_as(backend, phase, us, fwd_flops);
         r.rel_err = fused_err;
         out.push(r);
     }

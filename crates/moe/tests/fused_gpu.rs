@@ -1,7 +1,8 @@
 //! GPU tests of the fused stages against the CPU reference: [`gpu::gate_up_fused`] (the
 //! token rows of x gathered by the GEMM's producer, the activation in its epilogue) for
 //! every activation in both gate/up layouts, ragged and empty experts, sizes that are not
-//! multiples of the tiles (hidden 200, I 72 and 136), one token, with and without `h_pre`;
+//! multiples of the tiles (hidden 200, I 72 and 136), one token, with and without `h_pre`,
+//! gathering in the kernel or reading rows already gathered (`source_of: None`);
 //! poisoned outputs (rows past the last routed row must keep their poison), and a bad
 //! `source_of` entry flagged, not followed. Without a GPU every test prints SKIPPED; on a
 //! GPU that is not sm_90a they check that the call is refused with an arch error.
@@ -72,16 +73,18 @@ fn route(rng: &mut Rng, c: &Case) -> HostRouting {
 
 /// Runs the fused gate_up on `case` and compares `h` (and `h_pre`) with the fp64 reference:
 /// `h_pre = x[token] · W_eᵀ`, `h = act(h_pre)` on the unrounded pre-activation, as the
-/// kernel's epilogue does.
+/// kernel's epilogue does. With `gathered`, the rows are gathered on the host into
+/// `x_perm [T·k, hidden]` (poison past the routed rows) and the kernel reads them in order.
 fn check(
     s: &Arc<CudaStream>,
     case: Case,
-    act: Activation,
-    layout: GateUpLayout,
+    (act, layout): (Activation, GateUpLayout),
     keep_h_pre: bool,
+    gathered: bool,
     seed: u64,
 ) -> Result<(f64, f64), String> {
-    let what = format!("{case:?} {act:?} {layout:?} h_pre={keep_h_pre} seed={seed}");
+    let what =
+        format!("{case:?} {act:?} {layout:?} h_pre={keep_h_pre} gathered={gathered} seed={seed}");
     let mut rng = Rng::new(seed);
     let desc = ActivationDesc::new(act, layout, case.inter);
     let (t, d, i) = (case.tokens, case.hidden, case.inter);
@@ -120,7 +123,15 @@ fn check(
     let want_pre: Vec<f32> = want.iter().flat_map(|(p, _)| p.iter().copied()).collect();
     let want_h: Vec<f32> = want.iter().flat_map(|(_, h)| h.iter().copied()).collect();
 
-    let x_d = s.clone_htod(&x).map_err(|x| format!("{what}: {x}"))?;
+    let x_perm: Vec<bf16> = (0..cap)
+        .flat_map(|row| match r.token_of_row.get(row) {
+            Some(&tok) => x[tok * d..(tok + 1) * d].to_vec(),
+            None => vec![POISON_BF16; d],
+        })
+        .collect();
+    let x_d = s
+        .clone_htod(if gathered { &x_perm } else { &x })
+        .map_err(|x| format!("{what}: {x}"))?;
     let w_d = s.clone_htod(&w).map_err(|x| format!("{what}: {x}"))?;
     let off_d = s
         .clone_htod(&r.offsets)
@@ -143,7 +154,7 @@ fn check(
         experts: case.experts,
         hidden: d,
         offsets: &off_d,
-        source_of: &src_d,
+        source_of: (!gathered).then_some(&src_d as &dyn cudarc::driver::DevicePtr<i32>),
         x: &x_d,
         w: &w_d,
     };
@@ -214,7 +225,14 @@ fn refused_elsewhere(s: &Arc<CudaStream>) -> Result<bool, String> {
     if gpu::gate_up_fused_supported(s).map_err(err("supported"))? {
         return Ok(false);
     }
-    let r = check(s, SMALL, Activation::SwiGlu, GateUpLayout::Split, false, 1);
+    let r = check(
+        s,
+        SMALL,
+        (Activation::SwiGlu, GateUpLayout::Split),
+        false,
+        false,
+        1,
+    );
     match r {
         Err(m) if m.contains("compute capability 9.0") || m.contains("rch") => {
             println!("not sm_90a: the fused gate_up is refused as it should be ({m})");
@@ -234,10 +252,12 @@ fn every_activation_and_layout(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let mut seed = Rng::fresh_seed();
     for act in activations() {
         for layout in [GateUpLayout::Split, GateUpLayout::Interleaved] {
-            for keep in [false, true] {
+            for (keep, gathered) in [(false, false), (true, false), (false, true), (true, true)] {
                 seed += 1;
-                let (eh, ep) = check(&s, SMALL, act, layout, keep, seed)?;
-                println!("{act:?} {layout:?} h_pre={keep}: rel err h {eh:.2e}, h_pre {ep:.2e}");
+                let (eh, ep) = check(&s, SMALL, (act, layout), keep, gathered, seed)?;
+                println!(
+                    "{act:?} {layout:?} h_pre={keep} gathered={gathered}: rel err h {eh:.2e}, h_pre {ep:.2e}"
+                );
             }
         }
     }
@@ -299,9 +319,11 @@ fn odd_sizes(ctx: &Arc<CudaContext>) -> Result<(), String> {
             (Activation::GeGlu, GateUpLayout::Interleaved),
             (Activation::Relu2, GateUpLayout::Split),
         ] {
-            seed += 1;
-            let (eh, ep) = check(&s, c, act, layout, true, seed)?;
-            println!("{c:?} {act:?} {layout:?}: rel err h {eh:.2e}, h_pre {ep:.2e}");
+            for gathered in [false, true] {
+                seed += 1;
+                let (eh, ep) = check(&s, c, (act, layout), true, gathered, seed)?;
+                println!("{c:?} {act:?} {layout:?} gathered={gathered}: rel err h {eh:.2e}, h_pre {ep:.2e}");
+            }
         }
     }
     Ok(())
@@ -334,7 +356,7 @@ fn bad_source_flagged(ctx: &Arc<CudaContext>) -> Result<(), String> {
         experts: e,
         hidden: d,
         offsets: &offsets,
-        source_of: &source_of,
+        source_of: Some(&source_of),
         x: &x,
         w: &w,
     };

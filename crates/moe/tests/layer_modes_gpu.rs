@@ -15,7 +15,8 @@ use layer_common::{
     bits, bits32, build, cases, e, inputs, same_bits, to_bf, Built, Case, Inputs, Route,
 };
 use moefuse::gpu::{
-    DecodePath, DeviceWeights, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing,
+    DecodePath, DeviceWeights, GateUpPath, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace,
+    Routing,
 };
 use moefuse::MoeError;
 use moefuse_testkit::{GpuSuite, Rng};
@@ -312,9 +313,10 @@ fn sees_weight_updates(ctx: &Arc<CudaContext>) -> Result<(), String> {
     same_bits("y after doubling down vs 2·y", &y2, &twice)
 }
 
-/// The fused gate_up (opt-in, sm_90a) against the default stages: y and every gradient
-/// within the bf16 bound (h_pre is not rounded before the activation when fused, so not
-/// bit for bit), and a fused Inference forward equals a fused Training forward bit for bit.
+/// The fused gate_up paths (opt-in, sm_90a) against the default stages: y and every
+/// gradient within the bf16 bound (h_pre is not rounded before the activation when fused,
+/// so not bit for bit); a fused Inference forward equals a fused Training forward bit for
+/// bit; both fused paths give the same bits.
 fn fused_gate_up_matches_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     if !moefuse::gpu::gate_up_fused_supported(&stream).map_err(e)? {
@@ -351,50 +353,63 @@ fn fused_gate_up_matches_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
         train.set_decode_path(DecodePath::Never);
         let y_plain = forward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
         let g_plain = backward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
-        train.set_fused_gate_up(true).map_err(e)?;
-        let y_fused = forward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
-        let g_fused = backward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
-        let y32 = |v: &[u16]| {
-            v.iter()
-                .map(|&b| bf16::from_bits(b).to_f32())
-                .collect::<Vec<_>>()
-        };
-        moefuse_testkit::check_close(&y32(&y_fused), &y32(&y_plain), 2e-2, &what("fused y"))?;
-        let max_abs = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let scale = g_plain
-            .iter()
-            .find(|(name, _)| *name == "d_topk_weights")
-            .map_or(1.0, |(_, v)| max_abs(&as_f32(v, true)));
-        for ((name, a), (_, b)) in g_fused.iter().zip(&g_plain) {
-            let wide = name.starts_with("d_topk") || name.starts_with("d_logits");
-            let (a, b) = (as_f32(a, wide), as_f32(b, wide));
-            // A gradient that is zero in exact arithmetic (d_logits when the layer did not
-            // route, or of a renormalised top-1 weight, which is constant 1) holds rounding
-            // noise on both paths: its relative error means nothing. Both must stay at
-            // noise level instead.
-            let noise = 1e-4 * scale;
-            if max_abs(&b) <= noise {
-                if max_abs(&a) > noise {
-                    return Err(what(&format!(
-                        "fused {name}: max {} where the default path gives noise",
-                        max_abs(&a)
-                    )));
+        let mut fused_y = Vec::new();
+        for path in [GateUpPath::FusedActivation, GateUpPath::FusedGather] {
+            let what = |m: &str| what(&format!("{path:?}: {m}"));
+            train.set_gate_up_path(path).map_err(e)?;
+            let y_fused = forward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
+            let g_fused = backward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
+            let y32 = |v: &[u16]| {
+                v.iter()
+                    .map(|&b| bf16::from_bits(b).to_f32())
+                    .collect::<Vec<_>>()
+            };
+            moefuse_testkit::check_close(&y32(&y_fused), &y32(&y_plain), 2e-2, &what("fused y"))?;
+            let max_abs = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let scale = g_plain
+                .iter()
+                .find(|(name, _)| *name == "d_topk_weights")
+                .map_or(1.0, |(_, v)| max_abs(&as_f32(v, true)));
+            for ((name, a), (_, b)) in g_fused.iter().zip(&g_plain) {
+                let wide = name.starts_with("d_topk") || name.starts_with("d_logits");
+                let (a, b) = (as_f32(a, wide), as_f32(b, wide));
+                // A gradient that is zero in exact arithmetic (d_logits when the layer did
+                // not route, or of a renormalised top-1 weight, which is constant 1) holds
+                // rounding noise on both paths: its relative error means nothing. Both
+                // must stay at noise level instead.
+                let noise = 1e-4 * scale;
+                if max_abs(&b) <= noise {
+                    if max_abs(&a) > noise {
+                        return Err(what(&format!(
+                            "fused {name}: max {} where the default path gives noise",
+                            max_abs(&a)
+                        )));
+                    }
+                    continue;
                 }
-                continue;
+                moefuse_testkit::check_close(&a, &b, 2e-2, &what(&format!("fused {name}")))?;
             }
-            moefuse_testkit::check_close(&a, &b, 2e-2, &what(&format!("fused {name}")))?;
+            let mut infer = MoeLayer::new(&stream, &plan, Mode::Inference).map_err(e)?;
+            infer.set_decode_path(DecodePath::Never);
+            infer.set_gate_up_path(path).map_err(e)?;
+            let y_infer = forward_bits(&stream, &mut infer, &w, &dev, t, &mut ws)?;
+            same_bits(
+                &what("fused inference y vs fused training y"),
+                &y_infer,
+                &y_fused,
+            )?;
+            infer.take_routing_errors().map_err(e)?;
+            fused_y.push(y_fused);
         }
-        let mut infer = MoeLayer::new(&stream, &plan, Mode::Inference).map_err(e)?;
-        infer.set_decode_path(DecodePath::Never);
-        infer.set_fused_gate_up(true).map_err(e)?;
-        let y_infer = forward_bits(&stream, &mut infer, &w, &dev, t, &mut ws)?;
+        // The same GEMM over the same rows in the same order: gathering them in the
+        // producer or reading x_perm changes no bit.
         same_bits(
-            &what("fused inference y vs fused training y"),
-            &y_infer,
-            &y_fused,
+            &what("FusedGather y vs FusedActivation y"),
+            &fused_y[1],
+            &fused_y[0],
         )?;
+        train.set_gate_up_path(GateUpPath::Unfused).map_err(e)?;
         train.take_routing_errors().map_err(e)?;
-        infer.take_routing_errors().map_err(e)?;
         println!("{} ok", case.name);
     }
     Ok(())

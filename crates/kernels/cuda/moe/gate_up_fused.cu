@@ -68,7 +68,7 @@ moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: raster 0-2, band a power of two, interleave",
                 name, a->tile_order);
   }
-  if (a->offsets == nullptr || a->source_of == nullptr || a->x == nullptr || a->w == nullptr || a->h == nullptr) {
+  if (a->offsets == nullptr || a->x == nullptr || a->w == nullptr || a->h == nullptr) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
   }
   if (!aligned16(a->x) || !aligned16(a->w) || !aligned16(a->h) || (a->h_pre != nullptr && !aligned16(a->h_pre)) ||
@@ -88,6 +88,11 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Kernel::Params& p) {
   moefuse_status st = moefuse::encode_bf16_map<3>(&p.tmap_w, a.w, {cuuint64_t(a.hidden), cuuint64_t(width), cuuint64_t(a.experts)},
                  {cuuint64_t(a.hidden) * 2, cuuint64_t(width * a.hidden) * 2}, {64, 128, 1}, "W boxes");
   if (st != MOEFUSE_STATUS_OK) return st;
+  if (a.source_of == nullptr) {  // contiguous: x is [tokens * top_k, hidden], rows in order
+    st = moefuse::encode_bf16_map<2>(&p.tmap_rows, a.x, {cuuint64_t(a.hidden), cuuint64_t(rows)},
+                                     {cuuint64_t(a.hidden) * 2}, {64, 128}, "x rows");
+    if (st != MOEFUSE_STATUS_OK) return st;
+  }
   // The collective's own Params, never read by mma() (see the kernel): built over the same
   // operands as a dense problem so every map in it is valid.
   using StrideA = typename Mainloop::StrideA;

@@ -1,5 +1,6 @@
 //! The fused gate_up of the launch layer (moe_abi.h `moefuse_gate_up_args`): the token rows
-//! of x gathered by the GEMM's producer, the activation in its epilogue.
+//! of x gathered by the GEMM's producer (or read in order from an already gathered x), the
+//! activation in its epilogue.
 
 use super::{ActivationKind, GateUpLayout};
 use crate::bind::{check_multiple, check_range, extent, to_i32, Binder, Call};
@@ -13,7 +14,9 @@ const ROW_ALIGN: u64 = 16;
 
 /// `h[r] = act(x[source_of[r] / top_k] · W_eᵀ)` for the expert-major rows `r` of each expert
 /// `e` (rows `offsets[e-1]..offsets[e]`), and `h_pre[r]` (the pre-activation) when given:
-/// the permutation's gather, the gate_up GEMM and the activation in one kernel. Hopper only
+/// the permutation's gather, the gate_up GEMM and the activation in one kernel. Without
+/// `source_of`, `x` is `[tokens * top_k, hidden]` already in expert-major order (the unfused
+/// path's `x_perm`) and row `r` reads row `r`: only the activation is fused. Hopper only
 /// (`sm_90a`); elsewhere it returns [`KernelError::Launch`] with
 /// [`Status::ArchMismatch`](crate::Status::ArchMismatch), and the caller runs the unfused
 /// stages. `hidden` and `intermediate` are multiples of 8.
@@ -30,7 +33,7 @@ const ROW_ALIGN: u64 = 16;
 /// let mut h = stream.alloc_zeros::<bf16>(t * k * i)?;
 /// kernels.launch(&stream, GateUpFused { tokens: t, top_k: k, hidden: d, intermediate: i,
 ///     experts: e, kind: ActivationKind::SwiGlu, layout: GateUpLayout::Split, tile_order: 0,
-///     offsets: &offsets, source_of: &source_of, x: &x, w: &w, h: &mut h, h_pre: None,
+///     offsets: &offsets, source_of: Some(&source_of), x: &x, w: &w, h: &mut h, h_pre: None,
 ///     errors: None })?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -53,9 +56,10 @@ pub struct GateUpFused<'a> {
     pub tile_order: u32,
     /// `[experts]` prefix-sum ends (device data, clamped by the kernel).
     pub offsets: &'a dyn DevicePtr<i32>,
-    /// `[tokens * top_k]`: `t * top_k + j` of each row (device data, checked by the kernel).
-    pub source_of: &'a dyn DevicePtr<i32>,
-    /// `[tokens, hidden]`.
+    /// `[tokens * top_k]`: `t * top_k + j` of each row (device data, checked by the kernel),
+    /// or `None`: `x` holds the routed rows in order.
+    pub source_of: Option<&'a dyn DevicePtr<i32>>,
+    /// `[tokens, hidden]`, or `[tokens * top_k, hidden]` without `source_of`.
     pub x: &'a dyn DevicePtr<bf16>,
     /// `[experts, W, hidden]`, `W = 2I` gated, `I` for `Relu2`.
     pub w: &'a dyn DevicePtr<bf16>,
@@ -95,8 +99,9 @@ impl<'a> GateUpFused<'a> {
                 why: "tile_order: raster 0-2, band bits 8-15, interleave bit 24",
             })?;
         let offsets = b.read("offsets", self.offsets, e, 4)?;
-        let source_of = b.read("source_of", self.source_of, tk, 4)?;
-        let x = b.read("x", self.x, extent(kernel, "x", &[t, d])?, ROW_ALIGN)?;
+        let x_rows = if self.source_of.is_some() { t } else { tk };
+        let source_of = b.read_opt("source_of", self.source_of, tk, 4)?;
+        let x = b.read("x", self.x, extent(kernel, "x", &[x_rows, d])?, ROW_ALIGN)?;
         let w = b.read("w", self.w, extent(kernel, "w", &[e, width, d])?, ROW_ALIGN)?;
         let h = b.write("h", self.h, extent(kernel, "h", &[tk, i])?, ROW_ALIGN)?;
         let h_pre = b.write_opt(

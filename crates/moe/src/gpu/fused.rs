@@ -14,7 +14,8 @@ use std::sync::Arc;
 /// The routed rows and operands of one fused gate_up: `tokens` rows of `x [T, hidden]`, the
 /// permutation's `offsets [experts]` and `source_of [T * top_k]` (device data the kernel
 /// bounds), and the expert weights `w [experts, W, hidden]` (`W = 2I` gated, `I` for
-/// `Relu2`).
+/// `Relu2`). Without `source_of`, `x` is `[T * top_k, hidden]` already in expert-major order
+/// (the permutation's `x_perm`): the GEMM reads it by TMA and only the activation is fused.
 pub struct GateUpInputs<'a> {
     /// Tokens `T`.
     pub tokens: usize,
@@ -26,9 +27,9 @@ pub struct GateUpInputs<'a> {
     pub hidden: usize,
     /// `[experts]` prefix-sum ends (the permutation's).
     pub offsets: &'a dyn DevicePtr<i32>,
-    /// `[T * top_k]` (the permutation's).
-    pub source_of: &'a dyn DevicePtr<i32>,
-    /// `[T, hidden]`.
+    /// `[T * top_k]` (the permutation's), or `None` when `x` holds the routed rows in order.
+    pub source_of: Option<&'a dyn DevicePtr<i32>>,
+    /// `[T, hidden]`, or `[T * top_k, hidden]` without `source_of`.
     pub x: &'a dyn DevicePtr<bf16>,
     /// `[experts, W, hidden]`.
     pub w: &'a dyn DevicePtr<bf16>,
@@ -69,7 +70,7 @@ pub(super) fn supported_by(kernels: &Kernels) -> bool {
 /// let mut errors = DeviceErrors::new(&s)?;
 /// let desc = ActivationDesc::new(Activation::SwiGlu, GateUpLayout::Split, i);
 /// let inputs = GateUpInputs { tokens: t, top_k: k, experts: e, hidden: d, offsets: &offsets,
-///     source_of: &source_of, x: &x, w: &w };
+///     source_of: Some(&source_of), x: &x, w: &w };
 /// gate_up_fused(&desc, &s, inputs, &mut h, None, &mut errors)?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```

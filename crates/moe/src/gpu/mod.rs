@@ -67,8 +67,8 @@ pub use decode::{
 pub use errors::DeviceErrors;
 pub use fused::{gate_up_fused, gate_up_fused_supported, GateUpInputs};
 pub use layer::{
-    DecodePath, DeviceWeights, Gradients, LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace,
-    Routing, Weights,
+    DecodePath, DeviceWeights, GateUpPath, Gradients, LayerMemory, Mode, MoeLayer, MoePlan,
+    MoeWorkspace, Routing, Weights,
 };
 pub use permute::{combine, combine_backward, permute};
 pub use router::{route, route_backward};

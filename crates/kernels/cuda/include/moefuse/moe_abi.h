@@ -143,8 +143,8 @@ typedef struct moefuse_gate_up_args {
   float alpha;               /* SWIGLU_OAI's alpha */
   float limit;               /* the clamped activations' limit */
   const int32_t* offsets;    /* [experts] prefix-sum ends */
-  const int32_t* source_of;  /* [tokens*top_k] t*top_k + j of each row */
-  const uint16_t* x;         /* [tokens, hidden] bf16 */
+  const int32_t* source_of;  /* [tokens*top_k] t*top_k + j of each row, or NULL: x holds the routed rows in order */
+  const uint16_t* x;         /* [tokens, hidden] bf16 ([tokens*top_k, hidden] without source_of) */
   const uint16_t* w;         /* [experts, W, hidden] bf16 */
   uint16_t* h;               /* [tokens*top_k, intermediate] bf16 */
   uint16_t* h_pre;           /* [tokens*top_k, W] bf16, or NULL */

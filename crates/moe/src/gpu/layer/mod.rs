@@ -106,6 +106,29 @@ pub enum DecodePath {
     Never,
 }
 
+/// How a [`MoeLayer`] forward runs the gate_up GEMM and the activation
+/// ([`MoeLayer::set_gate_up_path`]). Every path gives the same `y` up to fp32 rounding of
+/// `h_pre` (the fused paths activate the fp32 accumulators; the unfused one reads `h_pre`
+/// rounded to bf16), and each path's Inference forward equals its Training forward bit for
+/// bit.
+///
+/// ```
+/// assert_eq!(moefuse::gpu::GateUpPath::default(), moefuse::gpu::GateUpPath::Unfused);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GateUpPath {
+    /// The permutation gathers `x_perm`, the grouped GEMM writes `h_pre`, then the
+    /// activation kernel writes `h`.
+    #[default]
+    Unfused,
+    /// The permutation gathers `x_perm`; one kernel (sm_90a) runs the GEMM over it with the
+    /// activation in its epilogue, writing `h` (and `h_pre` only in Training).
+    FusedActivation,
+    /// One kernel (sm_90a) gathers the token rows of `x` in its producer (no `x_perm`),
+    /// runs the GEMM and the activation.
+    FusedGather,
+}
+
 /// How a forward call is routed.
 pub enum Routing<'a> {
     /// Router logits `[T, E]` fp32; the layer's router (the config's kind) picks experts.
@@ -275,8 +298,8 @@ pub struct MoeLayer {
     saved: Option<Saved>,
     last: Option<LastForward>,
     profile: Profile,
-    /// The forward's gate_up runs fused (gather + GEMM + activation, sm_90a).
-    fused_gate_up: bool,
+    /// How the forward runs the gate_up GEMM and the activation.
+    gate_up_path: GateUpPath,
     /// When forwards run the decode kernels.
     decode_path: DecodePath,
 }
@@ -333,10 +356,9 @@ impl MoeLayer {
             saved,
             last: None,
             profile: Profile::default(),
-            // NOTES: off by default: on the H200 the fused gate_up's gathering producer is
-            // still slower than the permutation's gather plus the plain GEMM and activation
-            // (Qwen3-30B-A3B T=8192: 1624 us against 105 + 735 + 93; docs/perf-notes.md).
-            fused_gate_up: false,
+            // NOTES: the unfused stages by default until a fused path measures faster on
+            // the H200 (docs/perf-notes.md).
+            gate_up_path: GateUpPath::Unfused,
             decode_path: DecodePath::Auto,
         })
     }
@@ -386,43 +408,41 @@ impl MoeLayer {
         }
     }
 
-    /// Whether the forward runs the fused gate_up (the rows of x gathered inside the
-    /// GEMM, the activation in its epilogue; [`gate_up_fused`](crate::gpu::gate_up_fused)).
-    /// Off by default: it is correct, but measured slower than the unfused stages on the
-    /// H200 so far (docs/perf-notes.md); [`MoeLayer::set_fused_gate_up`] turns it on.
+    /// How the forward runs the gate_up GEMM and the activation ([`GateUpPath`];
+    /// [`GateUpPath::Unfused`] by default).
     ///
     /// ```no_run
-    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # use moefuse::{gpu::{GateUpPath, Mode, MoeLayer, MoePlan}, MoeConfig};
     /// # let ctx = cudarc::driver::CudaContext::new(0)?;
     /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
     /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
-    /// println!("fused gate_up: {}", layer.fused_gate_up());
+    /// println!("gate_up: {:?}", layer.gate_up_path());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn fused_gate_up(&self) -> bool {
-        self.fused_gate_up
+    pub fn gate_up_path(&self) -> GateUpPath {
+        self.gate_up_path
     }
 
-    /// Turns the fused gate_up on or off (off, the default: the permutation gathers
-    /// `x_perm`, the grouped GEMM writes `h_pre`, then the activation kernel runs). Turning it on where
-    /// the device cannot run it is [`MoeError::Unsupported`].
+    /// Chooses how the forward runs the gate_up GEMM and the activation. A fused path
+    /// where the device cannot run it ([`gate_up_fused_supported`](crate::gpu::gate_up_fused_supported))
+    /// is [`MoeError::Unsupported`].
     ///
     /// ```no_run
-    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # use moefuse::{gpu::{GateUpPath, Mode, MoeLayer, MoePlan}, MoeConfig};
     /// # let ctx = cudarc::driver::CudaContext::new(0)?;
     /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
     /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
-    /// layer.set_fused_gate_up(false)?;
-    /// assert!(!layer.fused_gate_up());
+    /// layer.set_gate_up_path(GateUpPath::Unfused)?;
+    /// assert_eq!(layer.gate_up_path(), GateUpPath::Unfused);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn set_fused_gate_up(&mut self, on: bool) -> Result<(), MoeError> {
-        if on && !crate::gpu::fused::supported_by(self.gemm.kernels()) {
+    pub fn set_gate_up_path(&mut self, path: GateUpPath) -> Result<(), MoeError> {
+        if path != GateUpPath::Unfused && !crate::gpu::fused::supported_by(self.gemm.kernels()) {
             return Err(MoeError::Unsupported {
                 what: "the fused gate_up needs an sm_90a device and a build with sm_90a kernels",
             });
         }
-        self.fused_gate_up = on;
+        self.gate_up_path = path;
         Ok(())
     }
 

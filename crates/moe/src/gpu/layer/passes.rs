@@ -2,7 +2,9 @@
 //! the stages in order, each wrapped by the profiler (see the parent module's docs).
 
 use super::plan::{DH, DX_PERM, DY_PERM, D_H_PRE, H, H_PRE, H_SCALED, X_AGAIN, X_PERM, Y_E};
-use super::{LastForward, Mode, MoeLayer, MoeWorkspace, Routing, RoutingState, Saved, Weights};
+use super::{
+    GateUpPath, LastForward, Mode, MoeLayer, MoeWorkspace, Routing, RoutingState, Saved, Weights,
+};
 use crate::gpu::{check_buffer, check_len, DecodeSaved, Gradients};
 use crate::{model::check_routing, MoeError, RouterKind};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
@@ -50,7 +52,11 @@ impl MoeLayer {
             return self.forward_decode(weights, x, tokens, routing, y, workspace);
         }
         let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
-        let (cx, g, layout) = (cx!(self), &self.gemms, self.plan.forward_layout());
+        let path = self.gate_up_path;
+        let layout = self
+            .plan
+            .forward_layout(path == GateUpPath::FusedActivation);
+        let (cx, g) = (cx!(self), &self.gemms);
         let RoutingState {
             ids,
             weights: wts,
@@ -77,9 +83,9 @@ impl MoeLayer {
             p.stage(s, "save x", copy)?;
         }
         let r = p.stage(s, "route", cx.route(t, routing, w, ids, wts, logits, keep))?;
-        // Fused (sm_90a): x is gathered inside the gate_up GEMM (no x_perm), and the
-        // activation runs in the GEMM's epilogue.
-        let (fused, gather) = (self.fused_gate_up, !self.fused_gate_up);
+        // FusedGather (sm_90a): x is gathered inside the gate_up GEMM (no x_perm). Both
+        // fused paths run the activation in the GEMM's epilogue.
+        let gather = path != GateUpPath::FusedGather;
         let mut x_perm = acts.get_mut(X_PERM);
         let x_perm = gather.then_some(&mut x_perm as &mut dyn DevicePtrMut<bf16>);
         let permute = cx.permute(t, r.ids, x, perm, x_perm);
@@ -88,10 +94,8 @@ impl MoeLayer {
             if gather { "permute+gather" } else { "permute" },
             permute,
         )?;
-        if fused {
-            let (mut h_pre, mut h) = acts.pair_mut(H_PRE, H);
-            let h_pre = keep.then_some(&mut h_pre as &mut dyn DevicePtrMut<bf16>);
-            let gate_up = cx.gate_up_fused(t, x, w, perm, &mut h, h_pre);
+        if path != GateUpPath::Unfused {
+            let gate_up = cx.gate_up_fused_slots(t, x, !gather, keep, w, perm, &mut acts);
             p.stage(s, "gate_up+activation (fused)", gate_up)?;
         } else {
             let off = &perm.offsets;
@@ -133,7 +137,7 @@ impl MoeLayer {
         y: &mut dyn DevicePtrMut<bf16>,
         workspace: &mut MoeWorkspace,
     ) -> Result<(), MoeError> {
-        let (cx, layout) = (cx!(self), self.plan.forward_layout());
+        let (cx, layout) = (cx!(self), self.plan.forward_layout(false));
         let keep = self.mode == Mode::Training;
         let RoutingState {
             ids,

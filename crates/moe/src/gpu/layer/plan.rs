@@ -276,7 +276,7 @@ impl MoePlan {
     /// # Ok::<(), moefuse::MoeError>(())
     /// ```
     pub fn workspace_bytes(&self, mode: Mode) -> usize {
-        let forward = self.forward_layout().bytes();
+        let forward = self.forward_layout(false).bytes();
         match mode {
             Mode::Inference => forward,
             Mode::Training => forward.max(self.backward_layout().bytes()),
@@ -329,12 +329,19 @@ impl MoePlan {
         [self.max_tokens * d, r * w]
     }
 
-    /// `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]` in two regions.
-    pub(super) fn forward_layout(&self) -> Layout<4> {
+    /// `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]` in two regions; with
+    /// `h_beside_x_perm` (the fused activation reads `x_perm` while it writes `h`) `h` and
+    /// `y_e` trade regions, which needs no more bytes (`R·I ≤ R·W`, and `y_e` is `x_perm`'s
+    /// size).
+    pub(super) fn forward_layout(&self, h_beside_x_perm: bool) -> Layout<4> {
         let (r, d, i, w) = self.dims();
         Layout {
             lens: [r * d, r * w, r * i, r * d],
-            at: [0, 1, 0, 1],
+            at: if h_beside_x_perm {
+                [0, 1, 1, 0]
+            } else {
+                [0, 1, 0, 1]
+            },
         }
     }
 
@@ -487,9 +494,12 @@ mod tests {
             MoeConfig::new(128, 192, 4, 1).with_activation(Activation::Relu2),
         ] {
             let plan = MoePlan::new(cfg, 7).unwrap();
-            let (fwd, bwd) = (plan.forward_layout(), plan.backward_layout());
+            let (fwd, bwd) = (plan.forward_layout(false), plan.backward_layout());
+            let fused = plan.forward_layout(true);
+            assert!(fused.bytes() <= fwd.bytes());
             for (lens, at, regions) in [
                 (&fwd.lens[..], &fwd.at[..], fwd.regions()),
+                (&fused.lens[..], &fused.at[..], fused.regions()),
                 (&bwd.lens[..], &bwd.at[..], bwd.regions()),
             ] {
                 for (len, a) in lens.iter().zip(at) {

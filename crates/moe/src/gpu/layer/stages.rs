@@ -4,6 +4,8 @@
 //! its own buffers (the free functions' checks), and the launch layer checks them once
 //! more; the passes have checked everything host-knowable before the first stage runs.
 
+use super::plan::{H, H_PRE, X_PERM};
+use super::workspace::SlotViews;
 use super::{MoePlan, Routing, Weights};
 use crate::gpu::activation::activation_forward_with;
 use crate::gpu::decode::{decode_forward_with, DecodeInputs, DecodeSaved};
@@ -128,12 +130,15 @@ impl Cx<'_> {
         permute_with(self.kernels(), s, t, e, k, d, ids, x, perm, x_perm)
     }
 
-    /// The fused gate_up: the rows of `x` gathered by `perm`'s `source_of` inside the GEMM,
-    /// the activation in its epilogue; `h` always, `h_pre` when the backward needs it.
+    /// The fused gate_up: the GEMM with the activation in its epilogue over the rows of `x`
+    /// gathered by `perm`'s `source_of` inside it (`gather`), or over `x` = `x_perm`
+    /// (already gathered); `h` always, `h_pre` when the backward needs it.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn gate_up_fused(
         &self,
         t: usize,
         x: &dyn DevicePtr<bf16>,
+        gather: bool,
         w: &Weights<'_>,
         perm: &mut PermuteBuffers,
         h: &mut dyn DevicePtrMut<bf16>,
@@ -146,7 +151,7 @@ impl Cx<'_> {
             experts: c.experts,
             hidden: c.hidden,
             offsets: &perm.offsets,
-            source_of: &perm.source_of,
+            source_of: gather.then_some(&perm.source_of as &dyn DevicePtr<i32>),
             x,
             w: &w.gate_up,
         };
@@ -160,6 +165,37 @@ impl Cx<'_> {
             h_pre,
             errors,
         )
+    }
+
+    /// [`Cx::gate_up_fused`] on the forward's slots: `h` into slot `H`, `h_pre` into slot
+    /// `H_PRE` when `keep` (the layer's saved buffer), and with `gather` off the rows from
+    /// slot `X_PERM` (the permutation gathered them; `h` then sits in another region).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gate_up_fused_slots(
+        &self,
+        t: usize,
+        x: &dyn DevicePtr<bf16>,
+        gather: bool,
+        keep: bool,
+        w: &Weights<'_>,
+        perm: &mut PermuteBuffers,
+        acts: &mut SlotViews<'_, 4>,
+    ) -> Result<(), MoeError> {
+        match (gather, keep) {
+            (true, true) => {
+                let (mut h_pre, mut h) = acts.pair_mut(H_PRE, H);
+                self.gate_up_fused(t, x, true, w, perm, &mut h, Some(&mut h_pre))
+            }
+            (true, false) => self.gate_up_fused(t, x, true, w, perm, &mut acts.get_mut(H), None),
+            (false, true) => {
+                let (x_perm, [mut h_pre, mut h]) = acts.read_write2(X_PERM, [H_PRE, H]);
+                self.gate_up_fused(t, &x_perm, false, w, perm, &mut h, Some(&mut h_pre))
+            }
+            (false, false) => {
+                let (x_perm, mut h) = acts.io(X_PERM, H);
+                self.gate_up_fused(t, &x_perm, false, w, perm, &mut h, None)
+            }
+        }
     }
 
     /// The decode kernels: `y` from `x` and the routing, `h` their slot-major scratch, the

@@ -44,6 +44,31 @@ struct ActivationRows {
     }
   }
 
+  // What one warp group's store needs besides the accumulators.
+  template <class TileShape, class TiledMma>
+  struct Slab {
+    TiledMma const& tiled_mma;
+    int mma_thread_idx, wg_row0, t, wg_rows;
+    __nv_bfloat16* slab;
+    uint32_t barrier_id;
+
+    CUTE_DEVICE auto coords() const {
+      using namespace cute;
+      Tensor cD = make_identity_tensor(make_shape(size<0>(TileShape{}), size<1>(TileShape{})));
+      return tiled_mma.get_thread_slice(mma_thread_idx).partition_C(cD);  // (MMA,MMA_M,MMA_N)
+    }
+    CUTE_DEVICE void sync() const { cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id); }
+    // Accumulator pair (i, i + 1) (columns c, c + 1) to the slab as bf16, columns from pass_col0.
+    template <class Coords>
+    CUTE_DEVICE void put2(Coords const& tCcD, int i, int pass_col0, float a, float b) const {
+      using namespace cute;
+      const auto c = tCcD(i);
+      *reinterpret_cast<__nv_bfloat162*>(
+          &slab[(get<0>(c) - wg_row0) * MaskedRowsStorage::kPitch + get<1>(c) - pass_col0]) =
+          __float22bfloat162_rn(make_float2(a, b));
+    }
+  };
+
   template <class TileShape, class Accum, class TiledMma>
   CUTE_DEVICE void run(Accum const& acc, TiledMma const& tiled_mma, int mma_thread_idx, int wg_row0,
                        MaskedRowsStorage& storage, uint32_t barrier_id, cutlass::bfloat16_t* h,
@@ -58,75 +83,100 @@ struct ActivationRows {
     CUTE_STATIC_ASSERT_V((size<0, 0>(tCcD) == Int<2>{}) && (size<0, 1>(tCcD) == Int<2>{}));
     CUTE_STATIC_ASSERT_V((size<0, 2>(tCcD) == Int<kN / 8>{}) && (size<1>(tCcD) == Int<1>{}) &&
                          (size<2>(tCcD) == Int<1>{}));
-    __nv_bfloat16* slab = storage.slab[(wg_row0 / S::kRows) & 1];
-    const int t = mma_thread_idx % 128;
-    const int wg_rows = min(rows - wg_row0, S::kRows);
+    const Slab<TileShape, TiledMma> out{tiled_mma,      mma_thread_idx, wg_row0, mma_thread_idx % 128,
+                                        min(rows - wg_row0, S::kRows), storage.slab[(wg_row0 / S::kRows) & 1],
+                                        barrier_id};
     const bool relu2 = act == MOEFUSE_ACTIVATION_RELU2;
     const bool split = !relu2 && layout == MOEFUSE_GATE_UP_SPLIT;
-    auto sync = [&] { cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id); };
-    auto put2 = [&](int i, int pass_col0, float a, float b) {
-      const auto c = tCcD(i);
-      *reinterpret_cast<__nv_bfloat162*>(&slab[(get<0>(c) - wg_row0) * S::kPitch + get<1>(c) - pass_col0]) =
-          __float22bfloat162_rn(make_float2(a, b));
-    };
-
-    // 1. h_pre (training only): the accumulators as they are, placed in the weights' layout.
-    if (h_pre != nullptr) {
-      cutlass::bfloat16_t* dst = h_pre + int64_t(row0 + wg_row0) * width;
-      CUTE_UNROLL
-      for (int pass = 0; pass < kN / S::kCols; ++pass) {
-        int gcol, cols;
-        if (split) {
-          const int j = n_block * (kN / 2) + (pass % 2) * S::kCols;
-          gcol = (pass < 2 ? 0 : inter) + j;
-          cols = min(S::kCols, inter - j);
-        } else {
-          gcol = n_block * kN + pass * S::kCols;
-          cols = min(S::kCols, width - gcol);
-        }
-        if (cols <= 0) continue;  // uniform over the warp group
-        CUTE_UNROLL
-        for (int j = pass * 8; j < pass * 8 + 8; ++j) {
-          CUTE_UNROLL
-          for (int hh = 0; hh < 2; ++hh) {
-            const int i = 2 * hh + 4 * j;
-            put2(i, pass * S::kCols, acc(i), acc(i + 1));
-          }
-        }
-        sync();
-        slab_out(slab, t, wg_rows, cols, dst, width, gcol);
-        sync();
-      }
-    }
-
-    // 2. h: the activation of each (gate, up) pair, 64 h columns per pass.
+    if (h_pre != nullptr) store_h_pre<kN>(acc, out, split, h_pre + int64_t(row0 + wg_row0) * width, n_block);
+    // One straight-line body per (activation, layout), chosen once per tile (see eval_as).
     cutlass::bfloat16_t* dst = h + int64_t(row0 + wg_row0) * inter;
-    const int h_cols = relu2 ? kN : kN / 2;
+    switch (act) {
+      case MOEFUSE_ACTIVATION_SWIGLU:
+        split ? store_h<MOEFUSE_ACTIVATION_SWIGLU, true, kN>(acc, out, dst, n_block)
+              : store_h<MOEFUSE_ACTIVATION_SWIGLU, false, kN>(acc, out, dst, n_block);
+        break;
+      case MOEFUSE_ACTIVATION_GEGLU:
+        split ? store_h<MOEFUSE_ACTIVATION_GEGLU, true, kN>(acc, out, dst, n_block)
+              : store_h<MOEFUSE_ACTIVATION_GEGLU, false, kN>(acc, out, dst, n_block);
+        break;
+      case MOEFUSE_ACTIVATION_SWIGLU_OAI:
+        split ? store_h<MOEFUSE_ACTIVATION_SWIGLU_OAI, true, kN>(acc, out, dst, n_block)
+              : store_h<MOEFUSE_ACTIVATION_SWIGLU_OAI, false, kN>(acc, out, dst, n_block);
+        break;
+      case MOEFUSE_ACTIVATION_BOUNDED_SWIGLU:
+        split ? store_h<MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, true, kN>(acc, out, dst, n_block)
+              : store_h<MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, false, kN>(acc, out, dst, n_block);
+        break;
+      default:
+        store_h<MOEFUSE_ACTIVATION_RELU2, false, kN>(acc, out, dst, n_block);
+        break;
+    }
+  }
+
+  // 1. h_pre (training only): the accumulators as they are, placed in the weights' layout.
+  template <int kN, class Accum, class Out>
+  CUTE_DEVICE void store_h_pre(Accum const& acc, Out const& out, bool split, cutlass::bfloat16_t* dst,
+                               int n_block) const {
+    using S = MaskedRowsStorage;
+    const auto tCcD = out.coords();
     CUTE_UNROLL
     for (int pass = 0; pass < kN / S::kCols; ++pass) {
-      if (pass * S::kCols >= h_cols) break;
-      const int hcol0 = n_block * h_cols + pass * S::kCols;
+      int gcol, cols;
+      if (split) {
+        const int j = n_block * (kN / 2) + (pass % 2) * S::kCols;
+        gcol = (pass < 2 ? 0 : inter) + j;
+        cols = min(S::kCols, inter - j);
+      } else {
+        gcol = n_block * kN + pass * S::kCols;
+        cols = min(S::kCols, width - gcol);
+      }
+      if (cols <= 0) continue;  // uniform over the warp group
+      CUTE_UNROLL
+      for (int j = pass * 8; j < pass * 8 + 8; ++j) {
+        CUTE_UNROLL
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = 2 * hh + 4 * j;
+          out.put2(tCcD, i, pass * S::kCols, acc(i), acc(i + 1));
+        }
+      }
+      out.sync();
+      slab_out(out.slab, out.t, out.wg_rows, cols, dst, width, gcol);
+      out.sync();
+    }
+  }
+
+  // 2. h: the activation of each (gate, up) pair, 64 h columns per pass.
+  template <int Act, bool kSplit, int kN, class Accum, class Out>
+  CUTE_DEVICE void store_h(Accum const& acc, Out const& out, cutlass::bfloat16_t* dst, int n_block) const {
+    using namespace cute;
+    using S = MaskedRowsStorage;
+    constexpr bool kRelu2 = Act == MOEFUSE_ACTIVATION_RELU2;
+    constexpr int kHCols = kRelu2 ? kN : kN / 2;
+    const auto tCcD = out.coords();
+    auto f = [&](float g, float u) { return moe::eval_as<Act>(alpha, limit, g, u).h; };
+    CUTE_UNROLL
+    for (int pass = 0; pass < kHCols / S::kCols; ++pass) {
+      const int hcol0 = n_block * kHCols + pass * S::kCols;
       const int cols = min(S::kCols, inter - hcol0);
       if (cols <= 0) break;  // uniform over the warp group
-      if (relu2) {
+      if constexpr (kRelu2) {
         CUTE_UNROLL
         for (int j = pass * 8; j < pass * 8 + 8; ++j) {
           CUTE_UNROLL
           for (int hh = 0; hh < 2; ++hh) {
             const int i = 2 * hh + 4 * j;
-            put2(i, pass * S::kCols, moe::eval(act, alpha, limit, acc(i), 0.f).h,
-                 moe::eval(act, alpha, limit, acc(i + 1), 0.f).h);
+            out.put2(tCcD, i, pass * S::kCols, f(acc(i), 0.f), f(acc(i + 1), 0.f));
           }
         }
-      } else if (split) {
+      } else if constexpr (kSplit) {
         CUTE_UNROLL
         for (int j = pass * 8; j < pass * 8 + 8; ++j) {
           CUTE_UNROLL
           for (int hh = 0; hh < 2; ++hh) {
             const int i = 2 * hh + 4 * j;  // gate block j; its up partner is block j + 16
             const int u = i + 4 * (kN / 16);
-            put2(i, pass * S::kCols, moe::eval(act, alpha, limit, acc(i), acc(u)).h,
-                 moe::eval(act, alpha, limit, acc(i + 1), acc(u + 1)).h);
+            out.put2(tCcD, i, pass * S::kCols, f(acc(i), acc(u)), f(acc(i + 1), acc(u + 1)));
           }
         }
       } else {
@@ -136,14 +186,14 @@ struct ActivationRows {
           for (int hh = 0; hh < 2; ++hh) {
             const int i = 2 * hh + 4 * j;  // columns (g, u) = (c, c + 1), c even
             const auto c = tCcD(i);
-            slab[(get<0>(c) - wg_row0) * S::kPitch + get<1>(c) / 2 - pass * S::kCols] =
-                __float2bfloat16_rn(moe::eval(act, alpha, limit, acc(i), acc(i + 1)).h);
+            out.slab[(get<0>(c) - out.wg_row0) * S::kPitch + get<1>(c) / 2 - pass * S::kCols] =
+                __float2bfloat16_rn(f(acc(i), acc(i + 1)));
           }
         }
       }
-      sync();
-      slab_out(slab, t, wg_rows, cols, dst, inter, hcol0);
-      sync();
+      out.sync();
+      slab_out(out.slab, out.t, out.wg_rows, cols, dst, inter, hcol0);
+      out.sync();
     }
   }
 };

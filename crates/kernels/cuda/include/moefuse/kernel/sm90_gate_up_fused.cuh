@@ -2,6 +2,9 @@
 // expert-major rows whose producer gathers the token rows of x itself (no x_perm copy) and
 // whose epilogue applies the activation to the fp32 accumulators:
 //   h_pre[r, :] = x[source_of[r] / top_k, :] · W_e^T,   h[r, j] = act(gate j, up j)
+// or, without source_of (the contiguous mode), x's row r itself (x already gathered, as the
+// unfused path's x_perm): then A comes by one 128-row TMA box per k-block, as in the plain
+// contiguous GEMM, and only the activation is fused.
 //
 //   warp            role                                            registers
 //   0-3 (WG 0)      producers: warp w copies tile rows 32w..32w+31  40
@@ -84,10 +87,11 @@ struct Sm90GateUpFused {
 
   struct Params {
     CUtensorMap tmap_w;  // w [E, W, hidden]: box 64 x 128 x 1, 128-byte swizzle
+    CUtensorMap tmap_rows;  // contiguous only: x [max_rows, hidden] (rows in order): box 64 x 128
     typename Mainloop::Params mainloop;  // only for mma()'s signature (it reads none of it)
     const int32_t* offsets;
-    const int32_t* source_of;
-    const cutlass::bfloat16_t* x;  // [tokens, hidden]
+    const int32_t* source_of;      // nullptr: x holds the routed rows in order (contiguous)
+    const cutlass::bfloat16_t* x;  // [tokens, hidden], or [max_rows, hidden] contiguous
     cutlass::bfloat16_t* h;
     cutlass::bfloat16_t* h_pre;
     uint32_t* errors;
@@ -143,6 +147,34 @@ struct Sm90GateUpFused {
                                     int k_tiles, int t) {
     using namespace cute;
     using Chunk = cute::uint128_t;
+    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+    constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
+    constexpr uint32_t kBytesA = kStageElementsA * sizeof(cutlass::bfloat16_t);
+    auto* smem_b = shared.tensors.smem_B.data();
+    if (p.source_of == nullptr) {
+      // Contiguous rows (x already gathered): one 128-row TMA box of A per k-block beside
+      // W's two; rows past the end read zeros, the next group's rows are loaded and never
+      // stored. Every producer thread still arrives (the barrier counts 129).
+      auto* smem_a = shared.tensors.smem_A.data();
+      for (int kb = 0; kb < k_tiles; ++kb) {
+        pipeline.producer_acquire(write);
+        uint64_t* barrier = pipeline.producer_get_barrier(write);
+        const int stage = int(write.index());
+        if (t == 0) {
+          int w_first = 0, w_second = 0;
+          w_rows(p, tile.n_block, w_first, w_second);
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesA + kBytesB);
+          auto* b = smem_b + stage * kStageElementsB;
+          SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
+          SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
+          SM90_TMA_LOAD_2D::copy(&p.tmap_rows, barrier, kHint, smem_a + stage * kStageElementsA, kb * kTileK,
+                                 tile.row0);
+        }
+        cutlass::arch::ClusterBarrier::arrive(barrier);
+        ++write;
+      }
+      return;
+    }
     // The token row of tile row t; rows past the last routed row (the tile's tail) and bad
     // source_of entries read token 0 (their products are never stored).
     const int row = tile.row0 + t;
@@ -160,9 +192,6 @@ struct Sm90GateUpFused {
     const int lane = t % 32, warp = t / 32, c = lane % 8;
     const int rows_left = tile.rows - warp * 32;  // this warp's tile rows inside the group
     auto* smem_a = reinterpret_cast<Chunk*>(shared.tensors.smem_A.data());
-    auto* smem_b = shared.tensors.smem_B.data();
-    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
-    constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
     constexpr int kChunks = kTileK / 8;  // 16-byte chunks per row and k-block
     static_assert(kChunks == 8, "eight threads copy one 128-byte row segment");
     for (int kb = 0; kb < k_tiles; ++kb) {
@@ -208,7 +237,10 @@ struct Sm90GateUpFused {
     const int warp_group = cutlass::canonical_warp_group_idx();
     const Role role = warp_group > 0 ? Role::Consumer : Role::Producer;
 
-    if (warp_idx == 0 && cute::elect_one_sync()) cute::prefetch_tma_descriptor(&p.tmap_w);
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      cute::prefetch_tma_descriptor(&p.tmap_w);
+      if (p.source_of == nullptr) cute::prefetch_tma_descriptor(&p.tmap_rows);
+    }
     if (warp_idx == 1) Scheduler::build(shared.groups, p.offsets, p.groups, p.max_rows);
 
     typename MainloopPipeline::Params pipe_params;
