@@ -363,16 +363,19 @@ fn bench_case(
     } else {
         None
     };
-    // The fused gate_up paths (sm_90a), each checked against the host, timed as a Training
-    // forward, and profiled with --profile.
+    // Each gate_up path forced (the default, Auto, picks one by shape): checked against the
+    // host, timed as a Training and an Inference forward, profiled with --profile.
     let mut fused = Vec::new();
-    let fused_paths = [
-        (GateUpPath::FusedActivation, "moefuse_fused_activation"),
+    let paths = [
         (GateUpPath::FusedGather, "moefuse_fused_gate_up"),
+        (GateUpPath::FusedActivation, "moefuse_fused_activation"),
+        (GateUpPath::Unfused, "moefuse_unfused"),
     ];
-    for (path, backend) in fused_paths {
-        if !moefuse::gpu::gate_up_fused_supported(stream)? {
-            break;
+    let fused_ok = moefuse::gpu::gate_up_fused_supported(stream)?;
+    for (path, backend) in paths {
+        // At decode sizes the layer runs the decode kernels, whatever the gate_up path.
+        if (path != GateUpPath::Unfused && !fused_ok) || decode_preferred(&cfg, t) {
+            continue;
         }
         layer.set_gate_up_path(path)?;
         layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -384,7 +387,7 @@ fn bench_case(
         let us = time_forward(layer, work, &mut y);
         infer.set_gate_up_path(path)?;
         let infer_fused_us = time_forward(infer, work, &mut y);
-        infer.set_gate_up_path(GateUpPath::Unfused)?;
+        infer.set_gate_up_path(GateUpPath::Auto)?;
         if args.profile {
             layer.set_profiling(true);
             layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
@@ -399,7 +402,7 @@ fn bench_case(
                 show.join(", ")
             );
         }
-        layer.set_gate_up_path(GateUpPath::Unfused)?;
+        layer.set_gate_up_path(GateUpPath::Auto)?;
         if !moefuse_testkit::within(fused_err, 2e-2) {
             return Err(format!(
                 "{model} t{t}: {path:?} output differs from the host check: {fused_err}"

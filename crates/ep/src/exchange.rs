@@ -7,7 +7,10 @@ use crate::error::need;
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse::gpu::{activation_forward, route, ActivationDesc, Mode, Rows};
+use moefuse::gpu::{
+    activation_forward, gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, route,
+    ActivationDesc, DeviceErrors, GateUpInputs, Mode, Rows,
+};
 use moefuse::MoeConfig;
 use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
@@ -63,6 +66,10 @@ pub(crate) struct ExchangeLayer {
     h_pre: CudaSlice<bf16>,
     h: CudaSlice<bf16>,
     y_e: CudaSlice<bf16>,
+    /// The device runs the fused gate_up ([`gate_up_fused_supported`]).
+    fused_ok: bool,
+    /// The fused gate_up's error word (it reads no `source_of` here, so never raised).
+    errors: DeviceErrors,
     /// `Some` in Training: the backward's exchanges, plans, saved rows and scratch.
     pub(crate) train: Option<crate::backward::Training>,
     /// The last forward's token count, `Some` once a Training forward succeeded.
@@ -149,6 +156,8 @@ impl ExchangeLayer {
             h_pre: stream.alloc_zeros(rows * w)?,
             h: stream.alloc_zeros(rows * i)?,
             y_e: stream.alloc_zeros(rows * d)?,
+            fused_ok: gate_up_fused_supported(stream)?,
+            errors: DeviceErrors::new(stream)?,
             ep,
             gemm,
             gate_up,
@@ -271,27 +280,50 @@ impl ExchangeLayer {
                 topk_weights,
             } => (topk_ids, topk_weights),
         };
-        let (recv, last) = (self.ep.recv_rows_capacity(), self.local_experts() - 1);
+        let (recv, local) = (self.ep.recv_rows_capacity(), self.local_experts());
+        let (last, ranks) = (local - 1, self.ep.placement().ranks());
         let d = self.ep.dispatch(x, ids, wts, tokens)?;
         let offsets = d.offsets();
         // Each stage below reads the received-row count on the device (the last offset).
-        self.gemm.run(
-            &self.gate_up,
-            s,
-            offsets,
-            d.x(),
-            &weights.gate_up,
-            &mut self.h_pre,
-            &mut self.gemm_ws,
-        )?;
-        let last_offset = offsets.slice(last..);
-        activation_forward(
-            &self.act,
-            s,
-            Rows::from_device(&last_offset, recv),
-            &self.h_pre,
-            &mut self.h,
-        )?;
+        // The received rows are already expert-major: where the single-GPU layer would fuse
+        // (sm_90a, few rows per expert: every rank sends `tokens`), one kernel runs the
+        // gate_up GEMM over them with the activation in its epilogue (h_pre only in
+        // Training, for the backward).
+        if self.fused_ok && gate_up_fused_preferred(&cfg, tokens * ranks) {
+            let inputs = GateUpInputs {
+                tokens: recv,
+                top_k: 1,
+                experts: local,
+                hidden: cfg.hidden,
+                offsets,
+                source_of: None,
+                x: d.x(),
+                w: &weights.gate_up,
+            };
+            let h_pre = self
+                .train
+                .is_some()
+                .then_some(&mut self.h_pre as &mut dyn DevicePtrMut<bf16>);
+            gate_up_fused(&self.act, s, inputs, &mut self.h, h_pre, &mut self.errors)?;
+        } else {
+            self.gemm.run(
+                &self.gate_up,
+                s,
+                offsets,
+                d.x(),
+                &weights.gate_up,
+                &mut self.h_pre,
+                &mut self.gemm_ws,
+            )?;
+            let last_offset = offsets.slice(last..);
+            activation_forward(
+                &self.act,
+                s,
+                Rows::from_device(&last_offset, recv),
+                &self.h_pre,
+                &mut self.h,
+            )?;
+        }
         self.gemm.run(
             &self.down,
             s,

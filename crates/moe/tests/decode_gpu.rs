@@ -15,7 +15,7 @@ mod layer_common;
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
 use layer_common::{bits, check_case, e, graph_replay_case, same_bits, Case, Route};
-use moefuse::gpu::{decode_applies, decode_forward, DecodeInputs, DeviceErrors};
+use moefuse::gpu::{decode_applies, decode_forward, DecodeInputs, DeviceErrors, GateUpPath};
 use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
@@ -110,7 +110,13 @@ fn decode_layer_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> 
         if !decode_applies(&case.cfg, case.tokens) {
             return Err(format!("{}: not a decode case", case.name));
         }
-        check_case(&stream, case, seed.wrapping_add(n as u64), true)?;
+        check_case(
+            &stream,
+            case,
+            seed.wrapping_add(n as u64),
+            true,
+            GateUpPath::Auto,
+        )?;
         println!("{} ok", case.name);
     }
     Ok(())

@@ -12,20 +12,31 @@ mod layer_common;
 use cudarc::driver::CudaContext;
 use half::bf16;
 use layer_common::{build, cases, check_case, e, f32s, inputs, to_bf, Built};
-use moefuse::gpu::{Mode, MoePlan, MoeWorkspace, Routing, Weights};
+use moefuse::gpu::{GateUpPath, Mode, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::model::MoeWeights;
 
 use moefuse::{MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
 
+/// The grouped-GEMM path at every T (tests/decode_gpu.rs covers the decode path) with the
+/// gate_up the layer picks by itself ([`GateUpPath::Auto`]: the fused gather on sm_90a at
+/// these sizes).
 fn layer_cases(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    cases_on(ctx, GateUpPath::Auto)
+}
+
+/// The same with the unfused gate_up (the permutation's gather, the GEMM, the activation).
+fn layer_cases_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    cases_on(ctx, GateUpPath::Unfused)
+}
+
+fn cases_on(ctx: &Arc<CudaContext>, path: GateUpPath) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     let seed = Rng::fresh_seed();
-    // The grouped-GEMM path at every T (tests/decode_gpu.rs covers the decode path).
     for (n, case) in cases().iter().enumerate() {
-        check_case(&stream, case, seed.wrapping_add(n as u64), false)?;
-        println!("{} ok", case.name);
+        check_case(&stream, case, seed.wrapping_add(n as u64), false, path)?;
+        println!("{} {path:?} ok", case.name);
     }
     Ok(())
 }
@@ -372,6 +383,7 @@ fn rejects_foreign_device(ctx: &Arc<CudaContext>) -> Result<(), String> {
 fn main() {
     let suite = GpuSuite::new()
         .test("moe_layer_matches_reference", layer_cases)
+        .test("moe_layer_unfused_matches_reference", layer_cases_unfused)
         .test("moe_layer_graph_replay", graph_replay)
         .test("moe_layer_rejects_bad_input", rejects_bad_input)
         .test(

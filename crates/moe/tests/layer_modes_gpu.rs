@@ -351,6 +351,7 @@ fn fused_gate_up_matches_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
         let plan = *train.plan();
         // The fused gate_up is a stage of the grouped path: keep every T on it.
         train.set_decode_path(DecodePath::Never);
+        train.set_gate_up_path(GateUpPath::Unfused).map_err(e)?;
         let y_plain = forward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
         let g_plain = backward_bits(&stream, &mut train, &w, &dev, t, &mut ws)?;
         let mut fused_y = Vec::new();

@@ -68,6 +68,11 @@ moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: tile_order %#x: raster 0-2, band a power of two, interleave",
                 name, a->tile_order);
   }
+  // The gathering producer keeps 32-bit chunk offsets into x (sm90_gate_up_fused.cuh).
+  if (int64_t(a->tokens) * a->hidden / 8 >= (int64_t(1) << 32)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: x of %d x %d exceeds 2^32 16-byte chunks", name, a->tokens,
+                a->hidden);
+  }
   if (a->offsets == nullptr || a->x == nullptr || a->w == nullptr || a->h == nullptr) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
   }

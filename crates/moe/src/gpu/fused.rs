@@ -48,6 +48,46 @@ pub fn gate_up_fused_supported(stream: &Arc<CudaStream>) -> Result<bool, MoeErro
     Ok(supported_by(&kernels))
 }
 
+/// Average routed rows per expert (`T·k/E`) up to which [`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto)
+/// takes the fused gather (the largest measured win: Qwen3-30B-A3B at T = 16384).
+pub const FUSED_GATE_UP_MAX_ROWS_PER_EXPERT: usize = 1024;
+
+/// Fewest experts for which [`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto) takes the
+/// fused gather. Measured on the H200 (2026-12-04, `bench_moe`, the three gate_up paths in
+/// one run each): the fused gather is faster on the fine-grained shapes (Qwen3-30B-A3B at
+/// T = 8192 and 16384, DeepSeek-V3 and GPT-OSS-120B at T = 8192; 256 to 1024 rows per
+/// expert), slower on Mixtral-8x7B (E = 8, I = 14336: 10–16% at T = 2048–4096 with the
+/// default tile order, where the unfused GEMM's 2-CTA clusters share each W_e tile; an
+/// m-first tile order, `MOEFUSE_GATE_UP_TILE_ORDER=0x1001`, brought it level).
+pub const FUSED_GATE_UP_MIN_EXPERTS: usize = 32;
+
+/// Whether the fused gather is the faster gate_up for `tokens` tokens of `cfg` (at least
+/// [`FUSED_GATE_UP_MIN_EXPERTS`] experts, at most [`FUSED_GATE_UP_MAX_ROWS_PER_EXPERT`]
+/// rows per expert on average); whether the device runs it is [`gate_up_fused_supported`].
+///
+/// ```
+/// use moefuse::{gpu::gate_up_fused_preferred, MoeConfig};
+/// assert!(gate_up_fused_preferred(&MoeConfig::new(2048, 768, 128, 8), 8192));
+/// assert!(!gate_up_fused_preferred(&MoeConfig::new(4096, 14336, 8, 2), 8192));
+/// ```
+pub fn gate_up_fused_preferred(cfg: &crate::MoeConfig, tokens: usize) -> bool {
+    cfg.experts >= FUSED_GATE_UP_MIN_EXPERTS
+        && tokens * cfg.top_k <= FUSED_GATE_UP_MAX_ROWS_PER_EXPERT * cfg.experts
+}
+
+/// `MOEFUSE_GATE_UP_TILE_ORDER=<word>` (decimal or `0x` hex, the contiguous GEMM's tile
+/// order word: raster bits 0-1, band bits 8-15, interleave bit 24) pins the fused
+/// gate_up's tile order (benches, A/B); 0, the kernel's default, otherwise. A word the
+/// kernel refuses is a typed launch error.
+fn tile_order_override() -> u32 {
+    let word = std::env::var("MOEFUSE_GATE_UP_TILE_ORDER").ok();
+    let parse = |w: &str| match w.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16).ok(),
+        None => w.parse().ok(),
+    };
+    word.as_deref().and_then(parse).unwrap_or(0)
+}
+
 pub(super) fn supported_by(kernels: &Kernels) -> bool {
     kernels.arch() == VariantArch::Sm90a && mk::built_archs().contains(&VariantArch::Sm90a.name())
 }
@@ -109,7 +149,7 @@ pub(super) fn gate_up_fused_with(
             experts: inputs.experts,
             kind,
             layout,
-            tile_order: 0,
+            tile_order: tile_order_override(),
             offsets: inputs.offsets,
             source_of: inputs.source_of,
             x: inputs.x,

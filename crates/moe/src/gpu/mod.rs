@@ -65,7 +65,10 @@ pub use decode::{
     DECODE_MAX_ROWS_PER_EXPERT, DECODE_MAX_SLOTS, DECODE_MAX_TOKENS,
 };
 pub use errors::DeviceErrors;
-pub use fused::{gate_up_fused, gate_up_fused_supported, GateUpInputs};
+pub use fused::{
+    gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, GateUpInputs,
+    FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
+};
 pub use layer::{
     DecodePath, DeviceWeights, GateUpPath, Gradients, LayerMemory, Mode, MoeLayer, MoePlan,
     MoeWorkspace, Routing, Weights,

@@ -5,7 +5,9 @@
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
-use moefuse::gpu::{DecodePath, DeviceWeights, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing};
+use moefuse::gpu::{
+    DecodePath, DeviceWeights, GateUpPath, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing,
+};
 use moefuse::model::MoeWeights;
 use moefuse::reference::RoutingInput;
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
@@ -295,6 +297,7 @@ pub fn check_case(
     case: &Case,
     seed: u64,
     decode: bool,
+    gate_up: GateUpPath,
 ) -> Result<(), String> {
     let cfg = case.cfg;
     let (t, d, ex, k) = (case.tokens, cfg.hidden, cfg.experts, cfg.top_k);
@@ -320,6 +323,7 @@ pub fn check_case(
     } else {
         DecodePath::Never
     });
+    layer.set_gate_up_path(gate_up).map_err(e)?;
     let wv = dw.view();
     let x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;

@@ -113,13 +113,18 @@ pub enum DecodePath {
 /// bit.
 ///
 /// ```
-/// assert_eq!(moefuse::gpu::GateUpPath::default(), moefuse::gpu::GateUpPath::Unfused);
+/// assert_eq!(moefuse::gpu::GateUpPath::default(), moefuse::gpu::GateUpPath::Auto);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GateUpPath {
+    /// [`GateUpPath::FusedGather`] where the device runs it and
+    /// [`gate_up_fused_preferred`](crate::gpu::gate_up_fused_preferred) holds (measured
+    /// faster), else [`GateUpPath::Unfused`]: decided per call from `T`, the same in both
+    /// modes.
+    #[default]
+    Auto,
     /// The permutation gathers `x_perm`, the grouped GEMM writes `h_pre`, then the
     /// activation kernel writes `h`.
-    #[default]
     Unfused,
     /// The permutation gathers `x_perm`; one kernel (sm_90a) runs the GEMM over it with the
     /// activation in its epilogue, writing `h` (and `h_pre` only in Training).
@@ -356,9 +361,7 @@ impl MoeLayer {
             saved,
             last: None,
             profile: Profile::default(),
-            // NOTES: the unfused stages by default until a fused path measures faster on
-            // the H200 (docs/perf-notes.md).
-            gate_up_path: GateUpPath::Unfused,
+            gate_up_path: GateUpPath::Auto,
             decode_path: DecodePath::Auto,
         })
     }
@@ -399,6 +402,22 @@ impl MoeLayer {
     }
 
     /// Whether a forward of `tokens` tokens takes the decode path.
+    /// The gate_up path a forward of `tokens` tokens runs ([`GateUpPath::Auto`] resolved).
+    fn gate_up_path_for(&self, tokens: usize) -> GateUpPath {
+        match self.gate_up_path {
+            GateUpPath::Auto => {
+                let fused = crate::gpu::fused::supported_by(self.gemm.kernels())
+                    && crate::gpu::gate_up_fused_preferred(self.plan.config(), tokens);
+                if fused {
+                    GateUpPath::FusedGather
+                } else {
+                    GateUpPath::Unfused
+                }
+            }
+            path => path,
+        }
+    }
+
     fn takes_decode_path(&self, tokens: usize) -> bool {
         let cfg = self.plan.config();
         match self.decode_path {
@@ -409,7 +428,7 @@ impl MoeLayer {
     }
 
     /// How the forward runs the gate_up GEMM and the activation ([`GateUpPath`];
-    /// [`GateUpPath::Unfused`] by default).
+    /// [`GateUpPath::Auto`] by default).
     ///
     /// ```no_run
     /// # use moefuse::{gpu::{GateUpPath, Mode, MoeLayer, MoePlan}, MoeConfig};
@@ -437,7 +456,8 @@ impl MoeLayer {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn set_gate_up_path(&mut self, path: GateUpPath) -> Result<(), MoeError> {
-        if path != GateUpPath::Unfused && !crate::gpu::fused::supported_by(self.gemm.kernels()) {
+        let fused = matches!(path, GateUpPath::FusedActivation | GateUpPath::FusedGather);
+        if fused && !crate::gpu::fused::supported_by(self.gemm.kernels()) {
             return Err(MoeError::Unsupported {
                 what: "the fused gate_up needs an sm_90a device and a build with sm_90a kernels",
             });

@@ -52,7 +52,7 @@ impl MoeLayer {
             return self.forward_decode(weights, x, tokens, routing, y, workspace);
         }
         let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
-        let path = self.gate_up_path;
+        let path = self.gate_up_path_for(t);
         let layout = self
             .plan
             .forward_layout(path == GateUpPath::FusedActivation);

@@ -7,13 +7,13 @@
 // contiguous GEMM, and only the activation is fused.
 //
 //   warp            role                                            registers
-//   0-3 (WG 0)      producers: warp w copies tile rows 32w..32w+31  40
+//   0-3 (WG 0)      producers: warp w copies tile rows 32w..32w+31  56
 //                   of x (their tokens' rows, 16-byte cp.async,
 //                   8 lanes per 128-byte row segment, swizzled by
 //                   hand); thread 0 also loads W_e's two
 //                   128-row TMA boxes per k-block;
 //                   warp 1 first builds the group table
-//   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + epilogue    232
+//   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + epilogue    224
 //
 // Composition: mainloop = CUTLASS's sm90 TMA/GMMA collective for the MMA side only (its
 // shared-memory layouts, pipeline and mma/mma_tail); the producer is ours because CUTLASS's
@@ -69,8 +69,10 @@ struct Sm90GateUpFused {
 
   static constexpr int kThreads = 384;
   static constexpr int kMmaThreads = 256;
-  static constexpr uint32_t kLoadRegisters = 40;
-  static constexpr uint32_t kMmaRegisters = 232;
+  // 56 / 224 (SonicMoE's split for its gathering producers): the producers hold 8 row
+  // pointers per tile; 128 * 56 + 256 * 224 <= 64 K registers.
+  static constexpr uint32_t kLoadRegisters = 56;
+  static constexpr uint32_t kMmaRegisters = 224;
   static constexpr uint32_t kEpilogueBarrier = 1;
   static constexpr int kProducerThreads = 128;
   static_assert(kTileM == kProducerThreads, "sm90 fused gate_up: one producer thread per tile row");
@@ -194,32 +196,46 @@ struct Sm90GateUpFused {
     auto* smem_a = reinterpret_cast<Chunk*>(shared.tensors.smem_A.data());
     constexpr int kChunks = kTileK / 8;  // 16-byte chunks per row and k-block
     static_assert(kChunks == 8, "eight threads copy one 128-byte row segment");
+    // Per tile, not per k-block: the 8 rows this thread copies (row i*4 + lane/8 of the
+    // warp's 32) as chunk pointers at this lane's 16-byte column, and which are inside the
+    // group. Rows past the group's end in this tile are never stored: zero-filled, not
+    // read (at T = 1 the 120 tail rows of each tile all read one token's row: one hot line).
+    // NOTES: recomputing the token broadcast and the 64-bit address of each row per
+    // k-block made the producers the bottleneck of this kernel (ncu, 2026-12-04: the
+    // consumers waited on full stages for 23% of their samples while the producer warps
+    // issued); the hoisted offsets (32-bit: the launcher refuses an x of 2^32 chunks or
+    // more) need kLoadRegisters = 56.
+    uint32_t row_off[8];
+    uint32_t live_rows = 0;
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const int sub = i * 4 + lane / 8;
+      const int64_t tok = __shfl_sync(0xffffffffu, token, sub);
+      row_off[i] = uint32_t(tok * row_chunks + c);
+      live_rows |= uint32_t(sub < rows_left) << i;
+    }
+    int w_first = 0, w_second = 0;
+    w_rows(p, tile.n_block, w_first, w_second);
     for (int kb = 0; kb < k_tiles; ++kb) {
       pipeline.producer_acquire(write);  // every producer waits; thread 0 arrives (no bytes yet)
       uint64_t* barrier = pipeline.producer_get_barrier(write);
       const int stage = int(write.index());
       if (t == 0) {
-        int w_first = 0, w_second = 0;  // here, not hoisted: the producers run on 40 registers
-        w_rows(p, tile.n_block, w_first, w_second);
         cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesB);
         auto* b = smem_b + stage * kStageElementsB;
         SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
         SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
       }
       // Warp w copies tile rows 32w..32w+31, four rows per instruction: eight lanes per
-      // 128-byte row segment (coalesced), each row's token broadcast from its lane.
+      // 128-byte row segment (coalesced).
       Chunk* a = smem_a + stage * kStageElementsA / 8;
-      const int k_chunk = kb * kChunks + c;
-      const bool valid = k_chunk * 8 < p.hidden;  // hidden % 8 == 0: a chunk is all in or all out
+      const bool valid = (kb * kChunks + c) * 8 < p.hidden;  // hidden % 8 == 0: a chunk is all in or out
+      const uint32_t live_now = valid ? live_rows : 0u;
       CUTE_UNROLL
       for (int i = 0; i < 8; ++i) {
-        const int sub = i * 4 + lane / 8;  // the row within the warp's 32
-        const int r = warp * 32 + sub;
-        const int64_t tok = __shfl_sync(0xffffffffu, token, sub);
-        // Rows past the group's end in this tile are never stored: zero-filled, not read
-        // (at T = 1 the 120 tail rows of each tile all read one token's row: one hot line).
-        const bool live = valid && sub < rows_left;
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[tok * row_chunks + (live ? k_chunk : 0)],
+        const int r = warp * 32 + i * 4 + lane / 8;
+        const bool live = (live_now >> i) & 1u;
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[live ? row_off[i] + uint32_t(kb * kChunks) : 0u],
                                                      a[r * kChunks + (c ^ (r & 7))], live);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
