@@ -357,15 +357,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
   __syncthreads();
 
   // Per-warp exclusive bases inside the chunk, and the chunk's totals.
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      const int v = hist[w * C + c];
-      hist[w * C + c] = run;
-      run += v;
-    }
-    p.chunk_cnt[blockIdx.x * C + c] = run;
-  }
+  moefuse::rows::warp_bases<kWarps>(hist, C, p.chunk_cnt + blockIdx.x * C);
   __syncthreads();
   // Chunk-relative positions -> warp bases added, every (token, slot) and (token,
   // destination) independently (a serial walk here waited on one load per token).

@@ -90,15 +90,7 @@ __global__ void __launch_bounds__(kThreads) permute_count(moefuse_permute_args p
     if (live) p.row_of[size_t(t0 + i) * k + j] = ok ? pos : -1;
   });
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      const int v = hist[w * E + e];
-      hist[w * E + e] = run;
-      run += v;
-    }
-    p.workspace[blockIdx.x * E + e] = run;
-  }
+  warp_bases<kWarps>(hist, E, p.workspace + blockIdx.x * E);
   __syncthreads();
   for (int i = lane; i < n_tok * k; i += 32) {
     const int e = ids[i];

@@ -78,14 +78,17 @@ pub fn gate_up_fused_preferred(cfg: &crate::MoeConfig, tokens: usize) -> bool {
 /// `MOEFUSE_GATE_UP_TILE_ORDER=<word>` (decimal or `0x` hex, the contiguous GEMM's tile
 /// order word: raster bits 0-1, band bits 8-15, interleave bit 24) pins the fused
 /// gate_up's tile order (benches, A/B); 0, the kernel's default, otherwise. A word the
-/// kernel refuses is a typed launch error.
+/// kernel refuses is a typed launch error. Read once per process (not per launch).
 fn tile_order_override() -> u32 {
-    let word = std::env::var("MOEFUSE_GATE_UP_TILE_ORDER").ok();
-    let parse = |w: &str| match w.strip_prefix("0x") {
-        Some(hex) => u32::from_str_radix(hex, 16).ok(),
-        None => w.parse().ok(),
-    };
-    word.as_deref().and_then(parse).unwrap_or(0)
+    static WORD: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *WORD.get_or_init(|| {
+        let word = std::env::var("MOEFUSE_GATE_UP_TILE_ORDER").ok();
+        let parse = |w: &str| match w.strip_prefix("0x") {
+            Some(hex) => u32::from_str_radix(hex, 16).ok(),
+            None => w.parse().ok(),
+        };
+        word.as_deref().and_then(parse).unwrap_or(0)
+    })
 }
 
 pub(super) fn supported_by(kernels: &Kernels) -> bool {

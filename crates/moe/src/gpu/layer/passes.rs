@@ -85,17 +85,17 @@ impl MoeLayer {
         let r = p.stage(s, "route", cx.route(t, routing, w, ids, wts, logits, keep))?;
         // FusedGather (sm_90a): x is gathered inside the gate_up GEMM (no x_perm). Both
         // fused paths run the activation in the GEMM's epilogue.
-        let gather = path != GateUpPath::FusedGather;
+        let in_gemm = path == GateUpPath::FusedGather;
         let mut x_perm = acts.get_mut(X_PERM);
-        let x_perm = gather.then_some(&mut x_perm as &mut dyn DevicePtrMut<bf16>);
+        let x_perm = (!in_gemm).then_some(&mut x_perm as &mut dyn DevicePtrMut<bf16>);
         let permute = cx.permute(t, r.ids, x, perm, x_perm);
         p.stage(
             s,
-            if gather { "permute+gather" } else { "permute" },
+            if in_gemm { "permute" } else { "permute+gather" },
             permute,
         )?;
         if path != GateUpPath::Unfused {
-            let gate_up = cx.gate_up_fused_slots(t, x, !gather, keep, w, perm, &mut acts);
+            let gate_up = cx.gate_up_fused_slots(t, x, in_gemm, keep, w, perm, &mut acts);
             p.stage(s, "gate_up+activation (fused)", gate_up)?;
         } else {
             let off = &perm.offsets;

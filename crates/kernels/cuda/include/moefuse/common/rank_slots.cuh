@@ -40,4 +40,21 @@ __device__ __forceinline__ void rank_slots(const int* ids, int n_tok, int k, int
   }
 }
 
+// After every warp's rank_slots: the block's per-warp histograms (kWarps rows of `bins`
+// counts, row-major in shared memory) become each warp's exclusive base per bin, in warp
+// order (token order), in place, and totals[b] the block's count of bin b. Block-wide; the
+// caller synchronises before and after.
+template <int kWarps>
+__device__ __forceinline__ void warp_bases(int* hist, int bins, int* totals) {
+  for (int b = threadIdx.x; b < bins; b += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int v = hist[w * bins + b];
+      hist[w * bins + b] = run;
+      run += v;
+    }
+    totals[b] = run;
+  }
+}
+
 }  // namespace moefuse::rows

@@ -91,27 +91,16 @@ struct ActivationRows {
     if (h_pre != nullptr) store_h_pre<kN>(acc, out, split, h_pre + int64_t(row0 + wg_row0) * width, n_block);
     // One straight-line body per (activation, layout), chosen once per tile (see eval_as).
     cutlass::bfloat16_t* dst = h + int64_t(row0 + wg_row0) * inter;
-    switch (act) {
-      case MOEFUSE_ACTIVATION_SWIGLU:
-        split ? store_h<MOEFUSE_ACTIVATION_SWIGLU, true, kN>(acc, out, dst, n_block)
-              : store_h<MOEFUSE_ACTIVATION_SWIGLU, false, kN>(acc, out, dst, n_block);
-        break;
-      case MOEFUSE_ACTIVATION_GEGLU:
-        split ? store_h<MOEFUSE_ACTIVATION_GEGLU, true, kN>(acc, out, dst, n_block)
-              : store_h<MOEFUSE_ACTIVATION_GEGLU, false, kN>(acc, out, dst, n_block);
-        break;
-      case MOEFUSE_ACTIVATION_SWIGLU_OAI:
-        split ? store_h<MOEFUSE_ACTIVATION_SWIGLU_OAI, true, kN>(acc, out, dst, n_block)
-              : store_h<MOEFUSE_ACTIVATION_SWIGLU_OAI, false, kN>(acc, out, dst, n_block);
-        break;
-      case MOEFUSE_ACTIVATION_BOUNDED_SWIGLU:
-        split ? store_h<MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, true, kN>(acc, out, dst, n_block)
-              : store_h<MOEFUSE_ACTIVATION_BOUNDED_SWIGLU, false, kN>(acc, out, dst, n_block);
-        break;
-      default:
-        store_h<MOEFUSE_ACTIVATION_RELU2, false, kN>(acc, out, dst, n_block);
-        break;
-    }
+    moe::with_activation(act, [&](auto a) {
+      constexpr int kAct = decltype(a)::value;
+      if constexpr (kAct == MOEFUSE_ACTIVATION_RELU2) {
+        store_h<kAct, false, kN>(acc, out, dst, n_block);
+      } else if (split) {
+        store_h<kAct, true, kN>(acc, out, dst, n_block);
+      } else {
+        store_h<kAct, false, kN>(acc, out, dst, n_block);
+      }
+    });
   }
 
   // 1. h_pre (training only): the accumulators as they are, placed in the weights' layout.

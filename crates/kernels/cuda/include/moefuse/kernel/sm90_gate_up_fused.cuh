@@ -153,6 +153,16 @@ struct Sm90GateUpFused {
     constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
     constexpr uint32_t kBytesA = kStageElementsA * sizeof(cutlass::bfloat16_t);
     auto* smem_b = shared.tensors.smem_B.data();
+    int w_first = 0, w_second = 0;
+    w_rows(p, tile.n_block, w_first, w_second);
+    // Thread 0: k-block kb of W_e's two 128-row boxes into `stage`, the stage's full barrier
+    // expecting their bytes plus `more_bytes` (A's box, in the contiguous mode).
+    auto load_w = [&](uint64_t* barrier, int stage, int kb, uint32_t more_bytes) {
+      cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesB + more_bytes);
+      auto* b = smem_b + stage * kStageElementsB;
+      SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
+      SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
+    };
     if (p.source_of == nullptr) {
       // Contiguous rows (x already gathered): one 128-row TMA box of A per k-block beside
       // W's two; rows past the end read zeros, the next group's rows are loaded and never
@@ -163,12 +173,7 @@ struct Sm90GateUpFused {
         uint64_t* barrier = pipeline.producer_get_barrier(write);
         const int stage = int(write.index());
         if (t == 0) {
-          int w_first = 0, w_second = 0;
-          w_rows(p, tile.n_block, w_first, w_second);
-          cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesA + kBytesB);
-          auto* b = smem_b + stage * kStageElementsB;
-          SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
-          SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
+          load_w(barrier, stage, kb, kBytesA);
           SM90_TMA_LOAD_2D::copy(&p.tmap_rows, barrier, kHint, smem_a + stage * kStageElementsA, kb * kTileK,
                                  tile.row0);
         }
@@ -214,18 +219,11 @@ struct Sm90GateUpFused {
       row_off[i] = uint32_t(tok * row_chunks + c);
       live_rows |= uint32_t(sub < rows_left) << i;
     }
-    int w_first = 0, w_second = 0;
-    w_rows(p, tile.n_block, w_first, w_second);
     for (int kb = 0; kb < k_tiles; ++kb) {
       pipeline.producer_acquire(write);  // every producer waits; thread 0 arrives (no bytes yet)
       uint64_t* barrier = pipeline.producer_get_barrier(write);
       const int stage = int(write.index());
-      if (t == 0) {
-        cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesB);
-        auto* b = smem_b + stage * kStageElementsB;
-        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
-        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
-      }
+      if (t == 0) load_w(barrier, stage, kb, 0);
       // Warp w copies tile rows 32w..32w+31, four rows per instruction: eight lanes per
       // 128-byte row segment (coalesced).
       Chunk* a = smem_a + stage * kStageElementsA / 8;

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "moefuse/abi.h"
 
 namespace moefuse::moe {
@@ -63,20 +65,28 @@ __device__ __forceinline__ Point eval_as(float alpha, float limit, float g, floa
   }
 }
 
-// The same, chosen at run time (an unknown code evaluates RELU2: callers check codes first).
-__device__ __forceinline__ Point eval(int act, float alpha, float limit, float g, float u) {
+// Calls f(std::integral_constant<int, Act>{}) for the activation code `act` (an unknown code
+// as RELU2: callers check codes first): the one place a run-time code becomes a
+// compile-time one.
+template <class F>
+__device__ __forceinline__ decltype(auto) with_activation(int act, F&& f) {
   switch (act) {
     case MOEFUSE_ACTIVATION_SWIGLU:
-      return eval_as<MOEFUSE_ACTIVATION_SWIGLU>(alpha, limit, g, u);
+      return f(std::integral_constant<int, MOEFUSE_ACTIVATION_SWIGLU>{});
     case MOEFUSE_ACTIVATION_GEGLU:
-      return eval_as<MOEFUSE_ACTIVATION_GEGLU>(alpha, limit, g, u);
+      return f(std::integral_constant<int, MOEFUSE_ACTIVATION_GEGLU>{});
     case MOEFUSE_ACTIVATION_SWIGLU_OAI:
-      return eval_as<MOEFUSE_ACTIVATION_SWIGLU_OAI>(alpha, limit, g, u);
+      return f(std::integral_constant<int, MOEFUSE_ACTIVATION_SWIGLU_OAI>{});
     case MOEFUSE_ACTIVATION_BOUNDED_SWIGLU:
-      return eval_as<MOEFUSE_ACTIVATION_BOUNDED_SWIGLU>(alpha, limit, g, u);
+      return f(std::integral_constant<int, MOEFUSE_ACTIVATION_BOUNDED_SWIGLU>{});
     default:
-      return eval_as<MOEFUSE_ACTIVATION_RELU2>(alpha, limit, g, u);
+      return f(std::integral_constant<int, MOEFUSE_ACTIVATION_RELU2>{});
   }
+}
+
+// The activation chosen at run time.
+__device__ __forceinline__ Point eval(int act, float alpha, float limit, float g, float u) {
+  return with_activation(act, [&](auto a) { return eval_as<decltype(a)::value>(alpha, limit, g, u); });
 }
 
 }  // namespace moefuse::moe
