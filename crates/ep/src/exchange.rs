@@ -288,7 +288,8 @@ impl ExchangeLayer {
         // The received rows are already expert-major: where the single-GPU layer would fuse
         // (sm_90a, few rows per expert: every rank sends `tokens`), one kernel runs the
         // gate_up GEMM over them with the activation in its epilogue (h_pre only in
-        // Training, for the backward).
+        // Training, for the backward). Its tile order follows the launch's rows, here the
+        // receive capacity (every rank's worst case), not this call's count.
         if self.fused_ok && gate_up_fused_preferred(&cfg, tokens * ranks) {
             let inputs = GateUpInputs {
                 tokens: recv,

@@ -311,6 +311,16 @@ fn odd_sizes(ctx: &Arc<CudaContext>) -> Result<(), String> {
             inter: 8,
             empty_every: 0,
         },
+        // >= 2048 rows per expert: the m-first tile order in bands of 16 m-blocks (17 here,
+        // so one band boundary inside each expert); ragged groups.
+        Case {
+            tokens: 4100,
+            top_k: 1,
+            experts: 2,
+            hidden: 64,
+            inter: 64,
+            empty_every: 0,
+        },
     ];
     let mut seed = Rng::fresh_seed();
     for c in cases {

@@ -49,45 +49,71 @@ pub fn gate_up_fused_supported(stream: &Arc<CudaStream>) -> Result<bool, MoeErro
 }
 
 /// Average routed rows per expert (`T·k/E`) up to which [`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto)
-/// takes the fused gather (the largest measured win: Qwen3-30B-A3B at T = 16384).
+/// takes the fused gather for fine-grained MoEs (at least [`FUSED_GATE_UP_MIN_EXPERTS`]
+/// experts; the largest measured win: Qwen3-30B-A3B at T = 16384).
 pub const FUSED_GATE_UP_MAX_ROWS_PER_EXPERT: usize = 1024;
 
 /// Fewest experts for which [`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto) takes the
-/// fused gather. Measured on the H200 (2026-12-04, `bench_moe`, the three gate_up paths in
-/// one run each): the fused gather is faster on the fine-grained shapes (Qwen3-30B-A3B at
-/// T = 8192 and 16384, DeepSeek-V3 and GPT-OSS-120B at T = 8192; 256 to 1024 rows per
-/// expert), slower on Mixtral-8x7B (E = 8, I = 14336: 10–16% at T = 2048–4096 with the
-/// default tile order, where the unfused GEMM's 2-CTA clusters share each W_e tile; an
-/// m-first tile order, `MOEFUSE_GATE_UP_TILE_ORDER=0x1001`, brought it level).
+/// fused gather at up to [`FUSED_GATE_UP_MAX_ROWS_PER_EXPERT`] rows per expert. Measured on
+/// the H200 (2026-12-04, `bench_moe`, the three gate_up paths in one run each): the fused
+/// gather is faster on the fine-grained shapes (Qwen3-30B-A3B at T = 8192 and 16384,
+/// DeepSeek-V3 and GPT-OSS-120B at T = 8192; 256 to 1024 rows per expert), slower on
+/// Mixtral-8x7B (E = 8) at 512–1024 rows per expert with the default tile order.
 pub const FUSED_GATE_UP_MIN_EXPERTS: usize = 32;
 
-/// Whether the fused gather is the faster gate_up for `tokens` tokens of `cfg` (at least
-/// [`FUSED_GATE_UP_MIN_EXPERTS`] experts, at most [`FUSED_GATE_UP_MAX_ROWS_PER_EXPERT`]
-/// rows per expert on average); whether the device runs it is [`gate_up_fused_supported`].
+/// Average rows per expert from which the fused gate_up walks an expert's m-blocks first
+/// (tile order band 16, m-first) and [`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto)
+/// takes it at any expert count: with the default order (bands of 4 m-blocks, n-blocks
+/// first) a large W_e (Mixtral-8x7B: 235 MB per expert) is read from DRAM once per band,
+/// with m-first once per n-block column. Measured on the H200 (2026-12-04, Mixtral-8x7B
+/// T = 8192, 2048 rows per expert, one run): fused gather 8452 µs against unfused 8856 µs;
+/// T = 4096 (1024 rows): level (4473 against 4472).
+pub const FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT: usize = 2048;
+
+/// Whether the fused gather is the faster gate_up for `tokens` tokens of `cfg`: at least
+/// [`FUSED_GATE_UP_MIN_EXPERTS`] experts with at most [`FUSED_GATE_UP_MAX_ROWS_PER_EXPERT`]
+/// rows per expert on average, or at least [`FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT`] rows
+/// per expert (then in the m-first order); whether the device runs it is
+/// [`gate_up_fused_supported`].
 ///
 /// ```
 /// use moefuse::{gpu::gate_up_fused_preferred, MoeConfig};
 /// assert!(gate_up_fused_preferred(&MoeConfig::new(2048, 768, 128, 8), 8192));
-/// assert!(!gate_up_fused_preferred(&MoeConfig::new(4096, 14336, 8, 2), 8192));
+/// let mixtral = MoeConfig::new(4096, 14336, 8, 2);
+/// assert!(!gate_up_fused_preferred(&mixtral, 2048) && gate_up_fused_preferred(&mixtral, 8192));
 /// ```
 pub fn gate_up_fused_preferred(cfg: &crate::MoeConfig, tokens: usize) -> bool {
-    cfg.experts >= FUSED_GATE_UP_MIN_EXPERTS
-        && tokens * cfg.top_k <= FUSED_GATE_UP_MAX_ROWS_PER_EXPERT * cfg.experts
+    let rows = tokens * cfg.top_k;
+    (cfg.experts >= FUSED_GATE_UP_MIN_EXPERTS
+        && rows <= FUSED_GATE_UP_MAX_ROWS_PER_EXPERT * cfg.experts)
+        || rows >= FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT * cfg.experts
+}
+
+/// The tile order word of a fused gate_up over `rows` rows of `experts` experts: m-first in
+/// bands of 16 from [`FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT`] rows per expert, the
+/// kernel's default (0) below; `MOEFUSE_GATE_UP_TILE_ORDER` overrides both.
+fn tile_order_for(rows: usize, experts: usize) -> u32 {
+    const M_FIRST_BAND_16: u32 = 1 | (16 << 8);
+    match tile_order_override() {
+        Some(word) => word,
+        None if rows >= FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT * experts => M_FIRST_BAND_16,
+        None => 0,
+    }
 }
 
 /// `MOEFUSE_GATE_UP_TILE_ORDER=<word>` (decimal or `0x` hex, the contiguous GEMM's tile
 /// order word: raster bits 0-1, band bits 8-15, interleave bit 24) pins the fused
-/// gate_up's tile order (benches, A/B); 0, the kernel's default, otherwise. A word the
+/// gate_up's tile order (benches, A/B) instead of [`tile_order_for`]'s. A word the
 /// kernel refuses is a typed launch error. Read once per process (not per launch).
-fn tile_order_override() -> u32 {
-    static WORD: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+fn tile_order_override() -> Option<u32> {
+    static WORD: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
     *WORD.get_or_init(|| {
         let word = std::env::var("MOEFUSE_GATE_UP_TILE_ORDER").ok();
         let parse = |w: &str| match w.strip_prefix("0x") {
             Some(hex) => u32::from_str_radix(hex, 16).ok(),
             None => w.parse().ok(),
         };
-        word.as_deref().and_then(parse).unwrap_or(0)
+        word.as_deref().and_then(parse)
     })
 }
 
@@ -152,7 +178,7 @@ pub(super) fn gate_up_fused_with(
             experts: inputs.experts,
             kind,
             layout,
-            tile_order: tile_order_override(),
+            tile_order: tile_order_for(inputs.tokens * inputs.top_k, inputs.experts),
             offsets: inputs.offsets,
             source_of: inputs.source_of,
             x: inputs.x,

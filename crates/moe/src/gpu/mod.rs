@@ -68,6 +68,7 @@ pub use errors::DeviceErrors;
 pub use fused::{
     gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, GateUpInputs,
     FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
+    FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT,
 };
 pub use layer::{
     DecodePath, DeviceWeights, GateUpPath, Gradients, LayerMemory, Mode, MoeLayer, MoePlan,
