@@ -58,35 +58,32 @@ pub const FUSED_GATE_UP_MAX_ROWS_PER_EXPERT: usize = 1024;
 /// the H200 (2026-12-04, `bench_moe`, the three gate_up paths in one run each): the fused
 /// gather is faster on the fine-grained shapes (Qwen3-30B-A3B at T = 8192 and 16384,
 /// DeepSeek-V3 and GPT-OSS-120B at T = 8192; 256 to 1024 rows per expert), slower on
-/// Mixtral-8x7B (E = 8) at 512–1024 rows per expert with the default tile order.
+/// Mixtral-8x7B (E = 8) at 512–2048 rows per expert with the default tile order, and not
+/// clearly faster with the m-first one ([`FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT`]).
 pub const FUSED_GATE_UP_MIN_EXPERTS: usize = 32;
 
 /// Average rows per expert from which the fused gate_up walks an expert's m-blocks first
-/// (tile order band 16, m-first) and [`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto)
-/// takes it at any expert count: with the default order (bands of 4 m-blocks, n-blocks
+/// (tile order band 16, m-first): with the default order (bands of 4 m-blocks, n-blocks
 /// first) a large W_e (Mixtral-8x7B: 235 MB per expert) is read from DRAM once per band,
 /// with m-first once per n-block column. Measured on the H200 (2026-12-04, Mixtral-8x7B
-/// T = 8192, 2048 rows per expert, one run): fused gather 8452 µs against unfused 8856 µs;
-/// T = 4096 (1024 rows): level (4473 against 4472).
+/// T = 8192, 2048 rows per expert, the fused gather forced): 8452 and 9611 µs m-first in
+/// two runs, against 11086 and 11392 µs with the default order in two earlier runs. Against
+/// the unfused path the same two runs disagree (8452 vs 8856 µs; 9611 vs 9551 µs, IQR
+/// 830 µs), so [`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto) does not take it there.
 pub const FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT: usize = 2048;
 
-/// Whether the fused gather is the faster gate_up for `tokens` tokens of `cfg`: at least
-/// [`FUSED_GATE_UP_MIN_EXPERTS`] experts with at most [`FUSED_GATE_UP_MAX_ROWS_PER_EXPERT`]
-/// rows per expert on average, or at least [`FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT`] rows
-/// per expert (then in the m-first order); whether the device runs it is
-/// [`gate_up_fused_supported`].
+/// Whether the fused gather is the faster gate_up for `tokens` tokens of `cfg` (at least
+/// [`FUSED_GATE_UP_MIN_EXPERTS`] experts, at most [`FUSED_GATE_UP_MAX_ROWS_PER_EXPERT`]
+/// rows per expert on average); whether the device runs it is [`gate_up_fused_supported`].
 ///
 /// ```
 /// use moefuse::{gpu::gate_up_fused_preferred, MoeConfig};
 /// assert!(gate_up_fused_preferred(&MoeConfig::new(2048, 768, 128, 8), 8192));
-/// let mixtral = MoeConfig::new(4096, 14336, 8, 2);
-/// assert!(!gate_up_fused_preferred(&mixtral, 2048) && gate_up_fused_preferred(&mixtral, 8192));
+/// assert!(!gate_up_fused_preferred(&MoeConfig::new(4096, 14336, 8, 2), 8192));
 /// ```
 pub fn gate_up_fused_preferred(cfg: &crate::MoeConfig, tokens: usize) -> bool {
-    let rows = tokens * cfg.top_k;
-    (cfg.experts >= FUSED_GATE_UP_MIN_EXPERTS
-        && rows <= FUSED_GATE_UP_MAX_ROWS_PER_EXPERT * cfg.experts)
-        || rows >= FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT * cfg.experts
+    cfg.experts >= FUSED_GATE_UP_MIN_EXPERTS
+        && tokens * cfg.top_k <= FUSED_GATE_UP_MAX_ROWS_PER_EXPERT * cfg.experts
 }
 
 /// The tile order word of a fused gate_up over `rows` rows of `experts` experts: m-first in
