@@ -2,6 +2,10 @@
 // tensor maps (x gathered row by row, W_e in 128-row boxes) and the persistent launch of
 // kernel/sm90_gate_up_fused.cuh. A fat object like the other MoE kernels: its sm_90a image
 // carries the kernel, any other image a trap the capability check keeps from running.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "moefuse/common/stride.hpp"
 #include "moefuse/common/tensor_map.hpp"
@@ -31,6 +35,9 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::collective::StageCountAutoCarveout<CarveOut::value>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 using Kernel = kernel::Sm90GateUpFused<Mainloop, kMaxGroups>;
+using KernelPair = kernel::Sm90GateUpFused<Mainloop, kMaxGroups, 2>;
+static_assert(sizeof(Kernel::Params) == sizeof(KernelPair::Params) && Kernel::kSharedBytes == KernelPair::kSharedBytes,
+              "fused gate_up: the single and paired kernels share their parameters and shared memory");
 
 // The per-row boxes write where the collective's layouts say row r of a stage lives: rows
 // 128 bytes apart (8-row swizzle atoms stacked along M), stages one tile apart, and the
@@ -84,7 +91,8 @@ moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
   return MOEFUSE_STATUS_OK;
 }
 
-moefuse_status params_of(const moefuse_gate_up_args& a, Kernel::Params& p) {
+template <class Params>
+moefuse_status params_of(const moefuse_gate_up_args& a, Params& p) {
   using namespace cute;
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int64_t width = gated ? 2 * int64_t(a.intermediate) : a.intermediate;
@@ -131,6 +139,73 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Kernel::Params& p) {
   return MOEFUSE_STATUS_OK;
 }
 
+// Whether W_e boxes are shared by CTA pairs (KernelPair): when the experts average at least
+// two m-blocks of rows (kPairRowsPerExpert). Below, most pairs would be one tile and one
+// empty partner, half the SMs idle (GPT-OSS-120B T = 2048, 64 rows per expert: 2058 us
+// paired against 1755 single, H200). MOEFUSE_GATE_UP_CLUSTER = 1 | 2 (read once per
+// process; an A/B knob for benchmarks) forces single CTAs or pairs.
+constexpr int64_t kPairRowsPerExpert = 2 * Kernel::kTileM;
+
+bool cluster_pairs(const moefuse_gate_up_args& a) {
+  static const int forced = [] {
+    const char* v = std::getenv("MOEFUSE_GATE_UP_CLUSTER");
+    if (v == nullptr) return 0;
+    return std::strcmp(v, "1") == 0 ? 1 : std::strcmp(v, "2") == 0 ? 2 : 0;
+  }();
+  if (forced != 0) return forced == 2;
+  return int64_t(a.tokens) * a.top_k >= kPairRowsPerExpert * a.experts;
+}
+
+// The persistent launch of kernel K: as many clusters as can be resident at once (a pair
+// needs two free SMs of one GPC), never more than there are cluster tiles.
+template <class K>
+moefuse_status launch(const moefuse_gate_up_args& a, int sms, cudaStream_t stream, const char* name) {
+  typename K::Params p{};
+  moefuse_status st = params_of(a, p);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  constexpr int kCluster = K::kClusterM;
+  const int h_cols = K::h_cols_per_tile(a.activation);
+  const int64_t n_blocks = (a.intermediate + h_cols - 1) / h_cols;
+  const int64_t max_units = (int64_t(p.max_rows) / (K::kTileM * kCluster) + a.experts) * n_blocks;
+  auto* fn = &moefuse::kernel::sm90_gate_up_fused_kernel<K>;
+  st = moefuse::from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSharedBytes),
+                          "cudaFuncSetAttribute(smem)");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(K::kThreads, 1, 1);
+  config.dynamicSmemBytes = K::kSharedBytes;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = sms / kCluster;
+  if (kCluster > 1) {
+    // Looked up once per device (a query per launch costs host time on every forward).
+    static std::atomic<int> resident[64];
+    int device = 0;
+    st = moefuse::from_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    if (st != MOEFUSE_STATUS_OK) return st;
+    clusters = device >= 0 && device < 64 ? resident[device].load(std::memory_order_acquire) : 0;
+    if (clusters < 1) {
+      config.gridDim = dim3(sms / kCluster * kCluster, 1, 1);
+      st = moefuse::from_cuda(cudaOccupancyMaxActiveClusters(&clusters, fn, &config),
+                              "cudaOccupancyMaxActiveClusters");
+      if (st != MOEFUSE_STATUS_OK) return st;
+      if (clusters < 1) return fail(MOEFUSE_STATUS_INTERNAL, "%s: no cluster of %d CTAs fits", name, kCluster);
+      if (device >= 0 && device < 64) resident[device].store(clusters, std::memory_order_release);
+    }
+  }
+  if (max_units < clusters) clusters = int(max_units);
+  config.gridDim = dim3(clusters * kCluster, 1, 1);
+  st = moefuse::from_cuda(cudaLaunchKernelEx(&config, fn, p), name);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  return after_launch(name);
+}
+
 }  // namespace
 }  // namespace moefuse::moe
 
@@ -151,17 +226,6 @@ extern "C" moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* 
                 device, major, minor);
   }
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
-  Kernel::Params p{};
-  st = params_of(*a, p);
-  if (st != MOEFUSE_STATUS_OK) return st;
-  const int h_cols = Kernel::h_cols_per_tile(a->activation);
-  const int64_t n_blocks = (a->intermediate + h_cols - 1) / h_cols;
-  const int64_t max_units = (int64_t(p.max_rows) / Kernel::kTileM + a->experts) * n_blocks;
-  auto* fn = &moefuse::kernel::sm90_gate_up_fused_kernel<Kernel>;
-  st = moefuse::from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedBytes),
-                          "cudaFuncSetAttribute(smem)");
-  if (st != MOEFUSE_STATUS_OK) return st;
-  const int grid = int(max_units < sms ? max_units : sms);
-  fn<<<grid, Kernel::kThreads, Kernel::kSharedBytes, static_cast<cudaStream_t>(stream)>>>(p);
-  return after_launch(name);
+  return cluster_pairs(*a) ? launch<KernelPair>(*a, sms, static_cast<cudaStream_t>(stream), name)
+                         : launch<Kernel>(*a, sms, static_cast<cudaStream_t>(stream), name);
 }

@@ -15,6 +15,12 @@
 //                   warp 1 first builds the group table
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + epilogue    224
 //
+// With kClusterM = 2 the CTAs of a pair take the same (expert, n-block) at adjacent
+// m-blocks and share W_e's two boxes per k-block: each loads one and multicasts it to both
+// (half of W_e's L2 reads; the unfused path's 2-CTA contiguous GEMM does the same). A pair
+// whose expert has an odd m-block count gives its second CTA a tile with no rows: it gathers
+// nothing, still loads its box for the peer, and releases every stage in step.
+//
 // Composition: mainloop = CUTLASS's sm90 TMA/GMMA collective for the MMA side only (its
 // shared-memory layouts, pipeline and mma/mma_tail); the producer is ours because CUTLASS's
 // load() copies whole boxes; tile order = sched::ContiguousGroupScheduler; store =
@@ -49,7 +55,7 @@
 
 namespace moefuse::kernel {
 
-template <class Mainloop_, int kMaxGroups_>
+template <class Mainloop_, int kMaxGroups_, int kClusterM_ = 1>
 struct Sm90GateUpFused {
   using Mainloop = Mainloop_;
   using TileShape = typename Mainloop::TileShape;
@@ -59,13 +65,20 @@ struct Sm90GateUpFused {
   using SmemLayoutA = typename Mainloop::SmemLayoutA;
   using SmemLayoutB = typename Mainloop::SmemLayoutB;
   static constexpr int kMaxGroups = kMaxGroups_;
+  // CTAs per cluster along M: 2 share each W_e box pair (CTA r loads box r and multicasts
+  // it to both), their tiles the same (expert, n-block) at m-blocks 2u and 2u + 1.
+  static constexpr int kClusterM = kClusterM_;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   static constexpr int kTileM = cute::size<0>(TileShape{});
   static constexpr int kTileN = cute::size<1>(TileShape{});
   static constexpr int kTileK = cute::size<2>(TileShape{});
-  using Scheduler = sched::ContiguousGroupScheduler<kTileM, 1, kMaxGroups>;
+  using Scheduler = sched::ContiguousGroupScheduler<kTileM, kClusterM, kMaxGroups>;
   static_assert(kTileM == 128 && kTileN == 256 && kTileK == 64,
                 "sm90 fused gate_up: tiles of 128 x 256 x 64 (two 128-row W boxes, one 128-byte row per k-block)");
-  static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1, "sm90 fused gate_up: no cluster");
+  // The collective is built for one CTA (only its layouts and mma() are used); the cluster
+  // is this kernel's: its pipeline and the producer's multicast.
+  static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1, "sm90 fused gate_up: a 1x1 collective");
+  static_assert(kClusterM == 1 || kClusterM == 2, "sm90 fused gate_up: clusters of 1 or 2 CTAs along M");
 
   static constexpr int kThreads = 384;
   static constexpr int kMmaThreads = 256;
@@ -146,7 +159,7 @@ struct Sm90GateUpFused {
   // (thread 0) W_e's two boxes, for each k-block of one tile.
   CUTE_DEVICE static void load_tile(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
                                     SharedStorage& shared, sched::GroupTile const& tile, int total_rows,
-                                    int k_tiles, int t) {
+                                    int k_tiles, int t, int rank) {
     using namespace cute;
     using Chunk = cute::uint128_t;
     constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
@@ -156,12 +169,20 @@ struct Sm90GateUpFused {
     int w_first = 0, w_second = 0;
     w_rows(p, tile.n_block, w_first, w_second);
     // Thread 0: k-block kb of W_e's two 128-row boxes into `stage`, the stage's full barrier
-    // expecting their bytes plus `more_bytes` (A's box, in the contiguous mode).
+    // expecting their bytes plus `more_bytes` (A's box, in the contiguous mode). In a pair,
+    // this CTA loads box `rank` into the same stage of both CTAs (the peer loads the other):
+    // both walk the same (expert, n-block) tiles and k-blocks, so the stages correspond.
     auto load_w = [&](uint64_t* barrier, int stage, int kb, uint32_t more_bytes) {
       cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesB + more_bytes);
       auto* b = smem_b + stage * kStageElementsB;
-      SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
-      SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
+      if constexpr (kClusterM == 1) {
+        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b, kb * kTileK, w_first, tile.group);
+        SM90_TMA_LOAD_3D::copy(&p.tmap_w, barrier, kHint, b + 128 * kTileK, kb * kTileK, w_second, tile.group);
+      } else {
+        constexpr uint16_t kBoth = 0b11;
+        SM90_TMA_LOAD_MULTICAST_3D::copy(&p.tmap_w, barrier, kBoth, kHint, b + rank * 128 * kTileK, kb * kTileK,
+                                         rank == 0 ? w_first : w_second, tile.group);
+      }
     };
     if (p.source_of == nullptr) {
       // Contiguous rows (x already gathered): one 128-row TMA box of A per k-block beside
@@ -266,20 +287,25 @@ struct Sm90GateUpFused {
     // producer thread; W's bytes are expected by thread 0 per stage (transaction_bytes 0).
     pipe_params.num_producers = 1 + kProducerThreads;
     pipe_params.transaction_bytes = 0;
-    MainloopPipeline pipeline(shared.pipeline, pipe_params, Shape<_1, _1, _1>{});
-    __syncthreads();  // barriers and the group table visible to every role
+    MainloopPipeline pipeline(shared.pipeline, pipe_params, ClusterShape{});
+    if constexpr (kClusterM > 1) {
+      cute::cluster_sync();  // the peer's barriers initialised before any multicast or remote release
+    } else {
+      __syncthreads();  // barriers and the group table visible to every role
+    }
+    const int rank = kClusterM > 1 ? int(cute::block_rank_in_cluster()) : 0;
 
     const int n_blocks = (p.inter + h_cols_per_tile(p.act) - 1) / h_cols_per_tile(p.act);
     const int k_tiles = (p.hidden + kTileK - 1) / kTileK;
     const int total_rows = p.groups > 0 ? shared.groups.row_end[p.groups - 1] : 0;
-    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, p.interleave != 0, int(blockIdx.x),
-                        int(gridDim.x), 0);
+    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, p.interleave != 0,
+                        int(blockIdx.x) / kClusterM, int(gridDim.x) / kClusterM, rank);
     sched::GroupTile tile;
 
     if (role != Role::Consumer) {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
       PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
-      while (scheduler.next(tile)) load_tile(p, pipeline, write, shared, tile, total_rows, k_tiles, thread_idx);
+      while (scheduler.next(tile)) load_tile(p, pipeline, write, shared, tile, total_rows, k_tiles, thread_idx, rank);
       // Producer tail: wait until the consumers released every stage (no early exit with
       // loads in flight).
       if (warp_idx == 0 && cute::elect_one_sync()) pipeline.producer_tail(write);
