@@ -36,6 +36,10 @@ impl ArchSpec for Sm90 {
         // on GPT-OSS down 748-763 vs 890 us, GPT-OSS gate_up 1417-1435 vs 1487-1496,
         // DeepSeek-V3 down 2547-2639 vs 2635-2670: the multicast twin is worth ~1.10 of the
         // CUTLASS 2x1 tile, not 1.085 (that value left the wave rounding to pick 1x1 there).
+        // The contiguous wgrad's 2x1 twin (B's strips multicast) scores the same 1.10: in one
+        // sweep (2026-12-04, bench_grouped --sweep --filter wgrad, 12 tile orders x 2 calls)
+        // it ran Qwen3 gate_up 682-692 us against 696-711 for 1x1, down 352-361 vs 358-368,
+        // DeepSeek-V3 down 2501-2643 vs 2569-2784, gate_up best 5150 vs 5273.
         if v.spec.schedule == Schedule::Contiguous && p.groups > CONTIGUOUS_MAX_GROUPS {
             return None;
         }
@@ -164,7 +168,11 @@ mod tests {
                 k,
             };
             let v = choose(&Sm90, &p, device, None).unwrap();
-            assert_eq!(v.spec.schedule, Schedule::Contiguous, "{p:?}");
+            assert_eq!(
+                (v.spec.schedule, v.spec.cluster),
+                (Schedule::Contiguous, [2, 1]),
+                "{p:?}"
+            );
         }
     }
 }

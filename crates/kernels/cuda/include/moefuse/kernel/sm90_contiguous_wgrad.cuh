@@ -12,6 +12,12 @@
 //                   hand), rows past the group's end zero-filled
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + store         232
 //
+// With kClusterM = 2 the CTAs of a pair take the same (group, n-block) at m-blocks 2u and
+// 2u + 1 and share B's four 64-wide strips of each whole chunk: CTA r loads strips 2r and
+// 2r + 1 into both CTAs by TMA multicast (half of B's L2 reads). A group's last, partial
+// chunk is still copied by each CTA for itself (cp.async). When the m-block count is odd, the
+// last pair's second CTA has no rows: it loads its strips for the peer and drains.
+//
 // Composition: CUTLASS's sm90 TMA/GMMA collective for the MMA side (its shared-memory
 // layouts, pipeline and mma/mma_tail); the producer is ours because a TMA box cannot stop at
 // a group's end (the next group's rows would enter the reduction); tiles walk (group,
@@ -36,7 +42,7 @@
 
 namespace moefuse::kernel {
 
-template <class Mainloop_>
+template <class Mainloop_, int kClusterM_ = 1>
 struct Sm90ContiguousWgrad {
   using Mainloop = Mainloop_;
   using TileShape = typename Mainloop::TileShape;
@@ -48,7 +54,12 @@ struct Sm90ContiguousWgrad {
   static constexpr int kTileK = cute::size<2>(TileShape{});
   static_assert(kTileM == 128 && kTileK == 64 && kTileN % 64 == 0 && kTileN <= 256,
                 "sm90 contiguous wgrad: 128 x N x 64 tiles (64-wide MN strips, 64-row chunks)");
-  static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1, "sm90 contiguous wgrad: no cluster");
+  // The collective is built for one CTA (its layouts and mma() are used); the cluster is
+  // this kernel's: its pipeline and the producer's multicast.
+  static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1, "sm90 contiguous wgrad: a 1x1 collective");
+  static constexpr int kClusterM = kClusterM_;
+  static_assert(kClusterM == 1 || kClusterM == 2, "sm90 contiguous wgrad: clusters of 1 or 2 CTAs along M");
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
 
   static constexpr int kThreads = 384;
   static constexpr int kMmaThreads = 256;
@@ -94,28 +105,33 @@ struct Sm90ContiguousWgrad {
 
   enum class Role { Producer, Consumer };
 
-  CUTE_DEVICE static bool tile_at(Params const& p, int index, int m_blocks, int n_blocks, Tile& t) {
-    const int per_group = m_blocks * n_blocks;
+  // Tile `index` of the walk over cluster tiles (group, m-block unit, n-block); this CTA
+  // (cluster rank `rank`) takes m-block unit * kClusterM + rank, which may be past the last
+  // m-block (a tile with no rows: m_block * kTileM >= m).
+  CUTE_DEVICE static bool tile_at(Params const& p, int index, int m_units, int n_blocks, int rank, Tile& t) {
+    const int per_group = m_units * n_blocks;
     const int total = p.groups * per_group;
     if (index >= total) return false;
     if (p.interleave) index = (index & 1) ? total - 1 - (index >> 1) : (index >> 1);
     t.group = index / per_group;
     const int r = index - t.group * per_group;
-    t.m_block = r / n_blocks;
-    t.n_block = r - t.m_block * n_blocks;
+    const int unit = r / n_blocks;
+    t.m_block = unit * kClusterM + rank;
+    t.n_block = r - unit * n_blocks;
     t.rows = group_rows(p.offsets, t.group, p.total_rows);
     return true;
   }
 
   // Producer perspective (warp group 0, thread t of 128): the chunks of one tile.
   CUTE_DEVICE static void load_tile(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
-                                    SharedStorage& shared, Tile const& t, int thread) {
+                                    SharedStorage& shared, Tile const& t, int thread, int rank) {
     using namespace cute;
     using Chunk = cute::uint128_t;
     constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
     constexpr uint32_t kBytes = (kStageElementsA + kStageElementsB) * sizeof(cutlass::bfloat16_t);
     constexpr int kStrips = kStripsA + kStripsB;
     static_assert(kStrips % 2 == 0, "two producer threads per row share its strips");
+    static_assert(kStripsB % kClusterM == 0, "a pair splits B's strips evenly");
     const int m0 = t.m_block * kTileM, n0 = t.n_block * kTileN;
     const int chunks = (t.rows.rows() + kTileK - 1) / kTileK;
     auto* smem_a = shared.tensors.smem_A.data();
@@ -134,9 +150,21 @@ struct Sm90ContiguousWgrad {
           for (int s = 0; s < kStripsA; ++s) {
             SM90_TMA_LOAD_2D::copy(&p.a_chunk, barrier, kHint, a + s * kStrip, m0 + 64 * s, r0);
           }
-          CUTE_UNROLL
-          for (int s = 0; s < kStripsB; ++s) {
-            SM90_TMA_LOAD_2D::copy(&p.b_chunk, barrier, kHint, b + s * kStrip, n0 + 64 * s, r0);
+          if constexpr (kClusterM == 1) {
+            CUTE_UNROLL
+            for (int s = 0; s < kStripsB; ++s) {
+              SM90_TMA_LOAD_2D::copy(&p.b_chunk, barrier, kHint, b + s * kStrip, n0 + 64 * s, r0);
+            }
+          } else {
+            // This CTA's half of B's strips, into the same stage of both CTAs (the pair walks
+            // the same (group, n-block) tiles and chunks, so the stages correspond).
+            constexpr int kMine = kStripsB / kClusterM;
+            constexpr uint16_t kBoth = 0b11;
+            CUTE_UNROLL
+            for (int h = 0; h < kMine; ++h) {
+              const int s = rank * kMine + h;
+              SM90_TMA_LOAD_MULTICAST_2D::copy(&p.b_chunk, barrier, kBoth, kHint, b + s * kStrip, n0 + 64 * s, r0);
+            }
           }
         }
         cutlass::arch::ClusterBarrier::arrive(barrier);
@@ -186,17 +214,24 @@ struct Sm90ContiguousWgrad {
     pipe_params.num_consumers = kMmaThreads;
     pipe_params.num_producers = 1 + kProducerThreads;
     pipe_params.transaction_bytes = 0;  // thread 0 expects a TMA chunk's bytes itself
-    MainloopPipeline pipeline(shared.pipeline, pipe_params, Shape<_1, _1, _1>{});
-    __syncthreads();
+    MainloopPipeline pipeline(shared.pipeline, pipe_params, ClusterShape{});
+    if constexpr (kClusterM > 1) {
+      cute::cluster_sync();  // the peer's barriers initialised before any multicast or remote release
+    } else {
+      __syncthreads();
+    }
+    const int rank = kClusterM > 1 ? int(cute::block_rank_in_cluster()) : 0;
+    const int first = int(blockIdx.x) / kClusterM, stride = int(gridDim.x) / kClusterM;
 
     const int m_blocks = (p.m + kTileM - 1) / kTileM;
+    const int m_units = (m_blocks + kClusterM - 1) / kClusterM;
     const int n_blocks = (p.n + kTileN - 1) / kTileN;
     Tile tile;
     if (role != Role::Consumer) {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
       PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
-      for (int i = int(blockIdx.x); tile_at(p, i, m_blocks, n_blocks, tile); i += int(gridDim.x)) {
-        load_tile(p, pipeline, write, shared, tile, thread_idx);
+      for (int i = first; tile_at(p, i, m_units, n_blocks, rank, tile); i += stride) {
+        load_tile(p, pipeline, write, shared, tile, thread_idx, rank);
       }
       if (warp_idx == 0 && cute::elect_one_sync()) pipeline.producer_tail(write);
       __syncwarp();
@@ -209,9 +244,19 @@ struct Sm90ContiguousWgrad {
                                      .partition_C(make_identity_tensor(take<0, 2>(TileShape{})))(0)) /
                           64 * 64;
       PipelineState read;
-      for (int i = int(blockIdx.x); tile_at(p, i, m_blocks, n_blocks, tile); i += int(gridDim.x)) {
+      for (int i = first; tile_at(p, i, m_units, n_blocks, rank, tile); i += stride) {
         const int k_tiles = (tile.rows.rows() + kTileK - 1) / kTileK;
         auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
+        if (tile.m_block >= m_blocks) {
+          // The pair's second CTA past the last m-block: no output; it releases every stage
+          // its own and its peer's loads filled, in step.
+          for (int c = 0; c < k_tiles; ++c) {
+            pipeline.consumer_wait(read);
+            pipeline.consumer_release(read);
+            ++read;
+          }
+          continue;
+        }
         if (k_tiles > 0) {
           mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
           mainloop.mma_tail(pipeline, read, k_tiles);

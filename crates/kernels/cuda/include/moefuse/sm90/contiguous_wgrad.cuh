@@ -15,7 +15,8 @@ namespace moefuse::sm90 {
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, class Schedule, moefuse_b_layout BL>
 struct ContiguousWgradBf16 {
-  static_assert(ClusterM == 1 && ClusterN == 1, "sm90 contiguous wgrad: no clusters");
+  static_assert((ClusterM == 1 || ClusterM == 2) && ClusterN == 1,
+                "sm90 contiguous wgrad: clusters 1x1 or 2x1 (B's strips multicast along M)");
   static constexpr int kMajor = 9;
   static constexpr int kMinor = 0;
   using Element = cutlass::bfloat16_t;
@@ -28,7 +29,7 @@ struct ContiguousWgradBf16 {
       cutlass::layout::RowMajor, 8, float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
       cutlass::gemm::collective::StageCountAutoCarveout<CarveOut::value>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop>;
+  using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop, ClusterM>;
 
   // The boxes write where the collective's layouts put them: 64-wide MN strips of
   // 64 x 128-byte rows (one row per reduction index), strips one after the other.
@@ -132,14 +133,37 @@ struct ContiguousWgradLauncher {
     Params prm{};
     st = params(*p, prm);
     if (st != MOEFUSE_STATUS_OK) return st;
-    const int64_t tiles = int64_t(p->num_groups) * ((p->k + Kernel::kTileM - 1) / Kernel::kTileM) *
-                          ((p->n + Kernel::kTileN - 1) / Kernel::kTileN);
+    constexpr int kCluster = Kernel::kClusterM;
+    const int64_t m_units = ((p->k + Kernel::kTileM - 1) / Kernel::kTileM + kCluster - 1) / kCluster;
+    const int64_t units = int64_t(p->num_groups) * m_units * ((p->n + Kernel::kTileN - 1) / Kernel::kTileN);
     auto* fn = &kernel::sm90_contiguous_wgrad_kernel<Kernel>;
     st = from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedBytes),
                    "cudaFuncSetAttribute(smem)");
     if (st != MOEFUSE_STATUS_OK) return st;
-    const int grid = int(tiles < sms ? tiles : sms);
-    fn<<<grid, Kernel::kThreads, Kernel::kSharedBytes, stream>>>(prm);
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.blockDim = dim3(Kernel::kThreads, 1, 1);
+    config.dynamicSmemBytes = Kernel::kSharedBytes;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    // Persistent grid: as many clusters as can be resident at once (pairs need two free SMs
+    // of one GPC), never more than there are cluster tiles.
+    int clusters = sms / kCluster;
+    if (kCluster > 1) {
+      config.gridDim = dim3(sms / kCluster * kCluster, 1, 1);
+      st = from_cuda(cudaOccupancyMaxActiveClusters(&clusters, fn, &config), "cudaOccupancyMaxActiveClusters");
+      if (st != MOEFUSE_STATUS_OK) return st;
+      if (clusters < 1) return fail(MOEFUSE_STATUS_INTERNAL, "%s: no cluster of %d CTAs fits", name, kCluster);
+    }
+    if (units < clusters) clusters = int(units);
+    config.gridDim = dim3(clusters * kCluster, 1, 1);
+    st = from_cuda(cudaLaunchKernelEx(&config, fn, prm), name);
+    if (st != MOEFUSE_STATUS_OK) return st;
     return from_cuda(cudaGetLastError(), name);
   }
 };
