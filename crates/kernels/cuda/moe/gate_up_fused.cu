@@ -2,11 +2,11 @@
 // tensor maps (x gathered row by row, W_e in 128-row boxes) and the persistent launch of
 // kernel/sm90_gate_up_fused.cuh. A fat object like the other MoE kernels: its sm_90a image
 // carries the kernel, any other image a trap the capability check keeps from running.
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "cutlass/gemm/collective/collective_builder.hpp"
+#include "moefuse/common/cluster_launch.cuh"
 #include "moefuse/common/stride.hpp"
 #include "moefuse/common/tensor_map.hpp"
 #include "moefuse/kernel/sm90_gate_up_fused.cuh"
@@ -156,8 +156,7 @@ bool cluster_pairs(const moefuse_gate_up_args& a) {
   return int64_t(a.tokens) * a.top_k >= kPairRowsPerExpert * a.experts;
 }
 
-// The persistent launch of kernel K: as many clusters as can be resident at once (a pair
-// needs two free SMs of one GPC), never more than there are cluster tiles.
+// The persistent launch of kernel K (common/cluster_launch.cuh).
 template <class K>
 moefuse_status launch(const moefuse_gate_up_args& a, int sms, cudaStream_t stream, const char* name) {
   typename K::Params p{};
@@ -167,43 +166,8 @@ moefuse_status launch(const moefuse_gate_up_args& a, int sms, cudaStream_t strea
   const int h_cols = K::h_cols_per_tile(a.activation);
   const int64_t n_blocks = (a.intermediate + h_cols - 1) / h_cols;
   const int64_t max_units = (int64_t(p.max_rows) / (K::kTileM * kCluster) + a.experts) * n_blocks;
-  auto* fn = &moefuse::kernel::sm90_gate_up_fused_kernel<K>;
-  st = moefuse::from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSharedBytes),
-                          "cudaFuncSetAttribute(smem)");
-  if (st != MOEFUSE_STATUS_OK) return st;
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(K::kThreads, 1, 1);
-  config.dynamicSmemBytes = K::kSharedBytes;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  int clusters = sms / kCluster;
-  if (kCluster > 1) {
-    // Looked up once per device (a query per launch costs host time on every forward).
-    static std::atomic<int> resident[64];
-    int device = 0;
-    st = moefuse::from_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    if (st != MOEFUSE_STATUS_OK) return st;
-    clusters = device >= 0 && device < 64 ? resident[device].load(std::memory_order_acquire) : 0;
-    if (clusters < 1) {
-      config.gridDim = dim3(sms / kCluster * kCluster, 1, 1);
-      st = moefuse::from_cuda(cudaOccupancyMaxActiveClusters(&clusters, fn, &config),
-                              "cudaOccupancyMaxActiveClusters");
-      if (st != MOEFUSE_STATUS_OK) return st;
-      if (clusters < 1) return fail(MOEFUSE_STATUS_INTERNAL, "%s: no cluster of %d CTAs fits", name, kCluster);
-      if (device >= 0 && device < 64) resident[device].store(clusters, std::memory_order_release);
-    }
-  }
-  if (max_units < clusters) clusters = int(max_units);
-  config.gridDim = dim3(clusters * kCluster, 1, 1);
-  st = moefuse::from_cuda(cudaLaunchKernelEx(&config, fn, p), name);
-  if (st != MOEFUSE_STATUS_OK) return st;
-  return after_launch(name);
+  return moefuse::launch_on_clusters<kCluster>(&moefuse::kernel::sm90_gate_up_fused_kernel<K>, K::kThreads,
+                                              K::kSharedBytes, sms, max_units, stream, name, p);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "moefuse/abi.h"
 #include "moefuse/common/layout.hpp"
+#include "moefuse/common/cluster_launch.cuh"
 #include "moefuse/common/status.hpp"
 #include "moefuse/common/stride.hpp"
 #include "moefuse/kernel/sm90_contiguous_grouped.cuh"
@@ -138,35 +139,8 @@ struct ContiguousGroupedLauncher {
     const int64_t n_blocks = (p->n + Kernel::kTileN - 1) / Kernel::kTileN;
     const int64_t unit_rows = int64_t(Kernel::kTileM) * kCluster;
     const int64_t max_units = (int64_t(p->total_rows) / unit_rows + p->num_groups) * n_blocks;
-    auto* fn = &kernel::sm90_contiguous_grouped_kernel<Kernel>;
-    st = from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedBytes),
-                   "cudaFuncSetAttribute(smem)");
-    if (st != MOEFUSE_STATUS_OK) return st;
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.blockDim = dim3(Kernel::kThreads, 1, 1);
-    config.dynamicSmemBytes = Kernel::kSharedBytes;
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    // Persistent grid: as many clusters as can be resident at once (pairs need two free
-    // SMs of one GPC), never more than there are cluster tiles.
-    int clusters = sms / kCluster;
-    if (kCluster > 1) {
-      config.gridDim = dim3(sms / kCluster * kCluster, 1, 1);
-      st = from_cuda(cudaOccupancyMaxActiveClusters(&clusters, fn, &config), "cudaOccupancyMaxActiveClusters");
-      if (st != MOEFUSE_STATUS_OK) return st;
-      if (clusters < 1) return fail(MOEFUSE_STATUS_INTERNAL, "%s: no cluster of %d CTAs fits", name, kCluster);
-    }
-    if (max_units < clusters) clusters = int(max_units);
-    config.gridDim = dim3(clusters * kCluster, 1, 1);
-    st = from_cuda(cudaLaunchKernelEx(&config, fn, prm), name);
-    if (st != MOEFUSE_STATUS_OK) return st;
-    return from_cuda(cudaGetLastError(), name);
+    return launch_on_clusters<kCluster>(&kernel::sm90_contiguous_grouped_kernel<Kernel>, Kernel::kThreads,
+                                        Kernel::kSharedBytes, sms, max_units, stream, name, prm);
   }
 
  private:

@@ -6,6 +6,7 @@
 
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "moefuse/abi.h"
+#include "moefuse/common/cluster_launch.cuh"
 #include "moefuse/common/status.hpp"
 #include "moefuse/common/tensor_map.hpp"
 #include "moefuse/kernel/sm90_contiguous_wgrad.cuh"
@@ -136,35 +137,8 @@ struct ContiguousWgradLauncher {
     constexpr int kCluster = Kernel::kClusterM;
     const int64_t m_units = ((p->k + Kernel::kTileM - 1) / Kernel::kTileM + kCluster - 1) / kCluster;
     const int64_t units = int64_t(p->num_groups) * m_units * ((p->n + Kernel::kTileN - 1) / Kernel::kTileN);
-    auto* fn = &kernel::sm90_contiguous_wgrad_kernel<Kernel>;
-    st = from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedBytes),
-                   "cudaFuncSetAttribute(smem)");
-    if (st != MOEFUSE_STATUS_OK) return st;
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.blockDim = dim3(Kernel::kThreads, 1, 1);
-    config.dynamicSmemBytes = Kernel::kSharedBytes;
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    // Persistent grid: as many clusters as can be resident at once (pairs need two free SMs
-    // of one GPC), never more than there are cluster tiles.
-    int clusters = sms / kCluster;
-    if (kCluster > 1) {
-      config.gridDim = dim3(sms / kCluster * kCluster, 1, 1);
-      st = from_cuda(cudaOccupancyMaxActiveClusters(&clusters, fn, &config), "cudaOccupancyMaxActiveClusters");
-      if (st != MOEFUSE_STATUS_OK) return st;
-      if (clusters < 1) return fail(MOEFUSE_STATUS_INTERNAL, "%s: no cluster of %d CTAs fits", name, kCluster);
-    }
-    if (units < clusters) clusters = int(units);
-    config.gridDim = dim3(clusters * kCluster, 1, 1);
-    st = from_cuda(cudaLaunchKernelEx(&config, fn, prm), name);
-    if (st != MOEFUSE_STATUS_OK) return st;
-    return from_cuda(cudaGetLastError(), name);
+    return launch_on_clusters<kCluster>(&kernel::sm90_contiguous_wgrad_kernel<Kernel>, Kernel::kThreads,
+                                        Kernel::kSharedBytes, sms, units, stream, name, prm);
   }
 };
 

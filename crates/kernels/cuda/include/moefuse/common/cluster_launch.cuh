@@ -1,0 +1,60 @@
+// The persistent launch of moefuse's sm90 kernels with clusters along M (the contiguous
+// grouped GEMM, the contiguous wgrad, the fused gate_up): as many clusters as can be resident
+// at once (a pair needs two free SMs of one GPC), never more than there are cluster tiles.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "moefuse/common/status.hpp"
+
+namespace moefuse {
+
+// Launches `fn(args...)` on `stream` with clusters of `cluster` CTAs of `threads` threads and
+// `smem_bytes` of dynamic shared memory (its limit raised here), over min(resident clusters,
+// `units`) clusters. The resident count of a cluster kernel is looked up once per device
+// (a query per launch would cost host time on every call).
+template <int kCluster, class... Params, class... Args>
+moefuse_status launch_on_clusters(void (*fn)(Params...), int threads, int smem_bytes, int sms, int64_t units,
+                                  cudaStream_t stream, const char* name, Args&&... args) {
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+  moefuse_status st = from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+                                "cudaFuncSetAttribute(smem)");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(threads, 1, 1);
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = sms / kCluster;
+  if constexpr (kCluster > 1) {
+    static std::atomic<int> resident[64];  // per kernel (fn is fixed per instantiation's caller)
+    int device = 0;
+    st = from_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    if (st != MOEFUSE_STATUS_OK) return st;
+    const bool cached = device >= 0 && device < 64;
+    clusters = cached ? resident[device].load(std::memory_order_acquire) : 0;
+    if (clusters < 1) {
+      config.gridDim = dim3(sms / kCluster * kCluster, 1, 1);
+      st = from_cuda(cudaOccupancyMaxActiveClusters(&clusters, fn, &config), "cudaOccupancyMaxActiveClusters");
+      if (st != MOEFUSE_STATUS_OK) return st;
+      if (clusters < 1) return fail(MOEFUSE_STATUS_INTERNAL, "%s: no cluster of %d CTAs fits", name, kCluster);
+      if (cached) resident[device].store(clusters, std::memory_order_release);
+    }
+  }
+  if (units < clusters) clusters = int(units > 0 ? units : 1);
+  config.gridDim = dim3(clusters * kCluster, 1, 1);
+  st = from_cuda(cudaLaunchKernelEx(&config, fn, static_cast<Args&&>(args)...), name);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  return from_cuda(cudaGetLastError(), name);
+}
+
+}  // namespace moefuse
