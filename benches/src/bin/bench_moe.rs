@@ -269,19 +269,16 @@ fn bench_case(
         let (ids, ws) = routing(rng, t, e, k);
         routes.push((stream.clone_htod(&ids)?, stream.clone_htod(&ws)?, ids, ws));
     }
-    let (ids_d, ws_d, ids, ws) = (&routes[0].0, &routes[0].1, &routes[0].2, &routes[0].3);
+    let (ids, ws) = (&routes[0].2, &routes[0].3);
     let dy = stream.clone_htod(&rng.bf16_vec(t * d))?;
     let mut y = stream.alloc_zeros::<bf16>(t * d)?;
     let mut dx = stream.alloc_zeros::<bf16>(t * d)?;
     let mut grads = layer.gradients()?;
-    let ext = || Routing::External {
-        topk_ids: ids_d,
-        topk_weights: ws_d,
-    };
     let ext_set = |i: usize| Routing::External {
         topk_ids: &routes[i % route_sets].0,
         topk_weights: &routes[i % route_sets].1,
     };
+    let ext = || ext_set(0);
 
     layer.forward(wv, &xs[0], t, ext(), &mut y, work)?;
     let bits = |v: Vec<bf16>| v.into_iter().map(bf16::to_bits).collect::<Vec<_>>();

@@ -166,8 +166,8 @@ moefuse_status launch(const moefuse_gate_up_args& a, int sms, cudaStream_t strea
   const int h_cols = K::h_cols_per_tile(a.activation);
   const int64_t n_blocks = (a.intermediate + h_cols - 1) / h_cols;
   const int64_t max_units = (int64_t(p.max_rows) / (K::kTileM * kCluster) + a.experts) * n_blocks;
-  return moefuse::launch_on_clusters<kCluster>(&moefuse::kernel::sm90_gate_up_fused_kernel<K>, K::kThreads,
-                                              K::kSharedBytes, sms, max_units, stream, name, p);
+  return moefuse::launch_on_clusters<kCluster, &moefuse::kernel::sm90_gate_up_fused_kernel<K>>(
+      K::kThreads, K::kSharedBytes, sms, max_units, stream, name, p);
 }
 
 }  // namespace

@@ -12,14 +12,15 @@
 
 namespace moefuse {
 
-// Launches `fn(args...)` on `stream` with clusters of `cluster` CTAs of `threads` threads and
-// `smem_bytes` of dynamic shared memory (its limit raised here), over min(resident clusters,
-// `units`) clusters. The resident count of a cluster kernel is looked up once per device
-// (a query per launch would cost host time on every call).
-template <int kCluster, class... Params, class... Args>
-moefuse_status launch_on_clusters(void (*fn)(Params...), int threads, int smem_bytes, int sms, int64_t units,
-                                  cudaStream_t stream, const char* name, Args&&... args) {
+// Launches `kKernel(args...)` on `stream` with clusters of `kCluster` CTAs of `threads`
+// threads and `smem_bytes` of dynamic shared memory (its limit raised here), over
+// min(resident clusters, `units`) clusters. The resident count is looked up once per kernel
+// and device (a query per launch would cost host time on every call).
+template <int kCluster, auto kKernel, class... Args>
+moefuse_status launch_on_clusters(int threads, int smem_bytes, int sms, int64_t units, cudaStream_t stream,
+                                  const char* name, Args&&... args) {
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+  constexpr auto fn = kKernel;
   moefuse_status st = from_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
                                 "cudaFuncSetAttribute(smem)");
   if (st != MOEFUSE_STATUS_OK) return st;
@@ -36,7 +37,7 @@ moefuse_status launch_on_clusters(void (*fn)(Params...), int threads, int smem_b
   config.numAttrs = 1;
   int clusters = sms / kCluster;
   if constexpr (kCluster > 1) {
-    static std::atomic<int> resident[64];  // per kernel (fn is fixed per instantiation's caller)
+    static std::atomic<int> resident[64];  // one per instantiation, so per kernel
     int device = 0;
     st = from_cuda(cudaGetDevice(&device), "cudaGetDevice");
     if (st != MOEFUSE_STATUS_OK) return st;

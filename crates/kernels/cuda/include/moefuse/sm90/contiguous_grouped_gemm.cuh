@@ -139,8 +139,8 @@ struct ContiguousGroupedLauncher {
     const int64_t n_blocks = (p->n + Kernel::kTileN - 1) / Kernel::kTileN;
     const int64_t unit_rows = int64_t(Kernel::kTileM) * kCluster;
     const int64_t max_units = (int64_t(p->total_rows) / unit_rows + p->num_groups) * n_blocks;
-    return launch_on_clusters<kCluster>(&kernel::sm90_contiguous_grouped_kernel<Kernel>, Kernel::kThreads,
-                                        Kernel::kSharedBytes, sms, max_units, stream, name, prm);
+    return launch_on_clusters<kCluster, &kernel::sm90_contiguous_grouped_kernel<Kernel>>(
+        Kernel::kThreads, Kernel::kSharedBytes, sms, max_units, stream, name, prm);
   }
 
  private:

@@ -137,8 +137,8 @@ struct ContiguousWgradLauncher {
     constexpr int kCluster = Kernel::kClusterM;
     const int64_t m_units = ((p->k + Kernel::kTileM - 1) / Kernel::kTileM + kCluster - 1) / kCluster;
     const int64_t units = int64_t(p->num_groups) * m_units * ((p->n + Kernel::kTileN - 1) / Kernel::kTileN);
-    return launch_on_clusters<kCluster>(&kernel::sm90_contiguous_wgrad_kernel<Kernel>, Kernel::kThreads,
-                                        Kernel::kSharedBytes, sms, units, stream, name, prm);
+    return launch_on_clusters<kCluster, &kernel::sm90_contiguous_wgrad_kernel<Kernel>>(
+        Kernel::kThreads, Kernel::kSharedBytes, sms, units, stream, name, prm);
   }
 };
 
