@@ -4,7 +4,9 @@
 //! warm-up, median [IQR], rotating inputs; the EP forward is checked against the single-GPU
 //! layer's output first (rel. err column). At `--ranks N` the program relaunches itself as N
 //! ranks (one GPU each where there are N GPUs, all on GPU 0 otherwise: correct, but the
-//! times are then time-sliced and mean nothing); rank 0 writes the JSON lines.
+//! times are then time-sliced and mean nothing); rank 0 writes the JSON lines. From two
+//! ranks it also times the Inference forward with rows copied (`moefuse_ep_copy`) and
+//! pulled in place (`moefuse_ep_pull`, its rel. err against the copied output).
 //!
 //! `.device-pack/run.sh bench_ep_layer --out $OUT [--tokens 8192] [--ranks 1]`
 
@@ -17,7 +19,7 @@ use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
 use moefuse::{MoeConfig, RouterKind};
 use moefuse_benches::{append, commit, ep_world, gpus_used, rotation, today, Error, Record};
 use moefuse_comm::Runtime;
-use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
+use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights, RowDelivery};
 use moefuse_testkit::{rel_err, time_stream, Rng, Stats};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -214,6 +216,31 @@ fn bench(
         rec("moefuse_ep", "fwd", f, flops),
         rec("moefuse_ep", "bwd", b, 2.0 * flops),
     ];
+    // From two ranks: the Inference forward with rows copied and with rows pulled in place
+    // (RowDelivery), the pulled one checked against the copied one first.
+    if ranks > 1 {
+        drop(layer);
+        let mut inference = |delivery| -> Result<(EpMoeLayer, Vec<f32>), Error> {
+            let mut l = EpMoeLayer::with_delivery(rt, stream, cfg, t, Mode::Inference, delivery)?;
+            l.forward(&lw, &xs[0], t, ext(), &mut y)?;
+            let out = stream.clone_dtoh(&y)?.iter().map(|v| v.to_f32()).collect();
+            println!("  rank {rank}: {delivery:?} rows, memory {}", l.memory());
+            Ok((l, out))
+        };
+        let (mut copied, want) = inference(RowDelivery::Copy)?;
+        let (mut pulled, got) = inference(RowDelivery::Pull)?;
+        let e_pull = rel_err(&got, &want);
+        let mut time = |l: &mut EpMoeLayer| {
+            time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
+                Ok(l.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
+            })
+        };
+        let (fc, fp) = (time(&mut copied)?, time(&mut pulled)?);
+        out.push(rec("moefuse_ep_copy", "fwd-inference", fc, flops));
+        let mut pulled_rec = rec("moefuse_ep_pull", "fwd-inference", fp, flops);
+        pulled_rec.rel_err = e_pull;
+        out.push(pulled_rec);
+    }
     if let Some((f1, b1)) = single {
         out.push(rec("moefuse", "fwd", f1, flops));
         out.push(rec("moefuse", "bwd", b1, 2.0 * flops));

@@ -15,6 +15,14 @@
 //                               staging copy: only the row's info and weights are staged)
 //   expand          G           (more than one PE) waits for every source; the other sources'
 //                               staged rows -> expert-major recv_x
+//
+// Pull mode (params.pull; every peer load/store reachable): dispatch copies each token's row
+// once into this rank's symmetric x_home and stages only its routing (stage_info, stage_w);
+// dispatch and expand write, per expert-major row, recv_src = source rank * max_tokens +
+// token (and the weights and origins as before) and copy no row: the fused gate_up reads
+// each row at its home through peer addresses (kernel/sm90_gate_up_fused.cuh, kPeerRows).
+// The reuse rule below covers x_home too: dispatch n+1 rewrites it only after every peer's
+// combine_send n, which follows that peer's gate_up n on its stream.
 //   combine_send    G           per staged row: sum_j w_j * y[row_j] (fp32) -> bf16 partial
 //                               into the source's comb_x (one PE: into out[t], and zero rows
 //                               for the tokens routed nowhere)
@@ -65,8 +73,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_EP_CHUNK;
 static_assert(kChunk == kWarps * 32, "count: one token per lane step, 32 tokens per warp");
-static_assert(sizeof(moefuse_ep_params) == 320 && offsetof(moefuse_ep_params, recv_x) == 216 &&
-                  offsetof(moefuse_ep_params, timeout_ns) == 264 && offsetof(moefuse_ep_params, hello) == 304,
+static_assert(sizeof(moefuse_ep_params) == 336 && offsetof(moefuse_ep_params, recv_x) == 216 &&
+                  offsetof(moefuse_ep_params, timeout_ns) == 264 && offsetof(moefuse_ep_params, hello) == 304 &&
+                  offsetof(moefuse_ep_params, x_home) == 320,
               "moefuse_ep_params changed: update EpParams in crates/comm/src/ep/params.rs and its layout test");
 
 __device__ __forceinline__ int row_width(const moefuse_ep_params& p) { return p.experts + p.ranks; }
@@ -406,6 +415,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
       if (e >= 0 && e < p.experts) row_in_expert = p.dest_row_base[e] + base[e] + p.pos_local[t * k + lane];
     }
     const uint16_t* src = p.x + size_t(t) * D;
+    if (p.pull) {
+      // Pull: the row goes once into this rank's x_home, where every receiver reads it.
+      uint4* home = reinterpret_cast<uint4*>(p.x_home + size_t(t) * D);
+      warp_copy_row_to(&home, 1, reinterpret_cast<const uint4*>(src), D / 8, lane);
+    }
     for (int d = 0; d < p.ranks; ++d) {
       const int tp = p.tokpos[t * p.ranks + d];
       if (tp < 0) continue;
@@ -428,15 +442,22 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
           p.recv_origin[3 * size_t(row) + 0] = p.rank;
           p.recv_origin[3 * size_t(row) + 1] = t;
           p.recv_origin[3 * size_t(row) + 2] = lane;
+          if (p.pull) p.recv_src[row] = p.rank * p.max_tokens + t;
         }
         if (lane <= k) p.stage_info[i * (k + 1) + lane] = info;
         if (lane < k) p.stage_w[i * k + lane] = w;
-        __syncwarp();
-        warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8, lane);
+        if (!p.pull) {
+          __syncwarp();
+          warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8,
+                           lane);
+        }
         __syncwarp();
       } else if (uint16_t* peer_x = peers.stage_x[d]) {
-        uint4* dst = reinterpret_cast<uint4*>(peer_x + i * D);
-        warp_copy_row_to(&dst, 1, reinterpret_cast<const uint4*>(src), D / 8, lane);
+        // (pull: every peer is load/store reachable, checked at construction)
+        if (!p.pull) {
+          uint4* dst = reinterpret_cast<uint4*>(peer_x + i * D);
+          warp_copy_row_to(&dst, 1, reinterpret_cast<const uint4*>(src), D / 8, lane);
+        }
         if (lane <= k) peers.stage_info[d][i * (k + 1) + lane] = info;
         if (lane < k) peers.stage_w[d][i * k + lane] = w;
       } else {
@@ -472,10 +493,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
       const int slot = lane;
       dst_rows[warp][__popc(valid & ((1u << lane) - 1))] = reinterpret_cast<uint4*>(p.recv_x + size_t(row) * D);
       p.recv_w[row] = __ldcg(p.stage_w + size_t(i) * k + slot);
-      p.recv_origin[3 * size_t(row) + 0] = source_of(p, i);
-      p.recv_origin[3 * size_t(row) + 1] = __ldcg(info + k);
+      const int s = source_of(p, i), t = __ldcg(info + k);
+      p.recv_origin[3 * size_t(row) + 0] = s;
+      p.recv_origin[3 * size_t(row) + 1] = t;
       p.recv_origin[3 * size_t(row) + 2] = slot;
+      if (p.pull) p.recv_src[row] = s * p.max_tokens + t;
     }
+    if (p.pull) continue;  // the receivers read the row at its home (x_home)
     __syncwarp();
     warp_copy_row_to(dst_rows[warp], __popc(valid), reinterpret_cast<const uint4*>(p.stage_x + size_t(i) * D), D / 8,
                      lane);

@@ -51,8 +51,8 @@ pub use bootstrap::{
     DEFAULT_LAUNCH_TIMEOUT,
 };
 pub use ep::{
-    Dispatch, EpConfig, EpMemory, ExpertParallel, RoutingFlags, DEFAULT_EP_TIMEOUT, MAX_EXPERTS,
-    MAX_RANKS,
+    Dispatch, EpConfig, EpMemory, ExpertParallel, PullDispatch, RoutingFlags, DEFAULT_EP_TIMEOUT,
+    MAX_EXPERTS, MAX_PULL_RANKS, MAX_RANKS,
 };
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};
@@ -215,7 +215,7 @@ pub enum CommError {
     Launch(#[from] LaunchError),
     /// A peer built its `ExpertParallel` with other sizes: its writes would land past this
     /// rank's buffers, so no rank goes on (every rank reports the first peer that differs).
-    #[error("rank {rank}: rank {peer}'s EpConfig differs (hash {theirs:#018x}, ours {ours:#018x}); every rank must pass the same experts, top_k, hidden and max_tokens")]
+    #[error("rank {rank}: rank {peer}'s EpConfig differs (hash {theirs:#018x}, ours {ours:#018x}); every rank must pass the same experts, top_k, hidden, max_tokens and pull_rows")]
     ConfigMismatch {
         /// This rank.
         rank: usize,

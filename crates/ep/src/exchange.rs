@@ -7,12 +7,13 @@ use crate::error::need;
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
+use moefuse::gpu::FUSED_GATE_UP_MIN_EXPERTS;
 use moefuse::gpu::{
     activation_forward, gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, route,
-    ActivationDesc, DeviceErrors, GateUpInputs, Mode, Rows,
+    ActivationDesc, DeviceErrors, GateUpInputs, GateUpRows, Mode, Rows,
 };
 use moefuse::MoeConfig;
-use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
+use moefuse_comm::{CommError, EpConfig, ExpertParallel, Runtime, MAX_PULL_RANKS};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
 use std::sync::Arc;
 
@@ -68,6 +69,8 @@ pub(crate) struct ExchangeLayer {
     y_e: CudaSlice<bf16>,
     /// The device runs the fused gate_up ([`gate_up_fused_supported`]).
     fused_ok: bool,
+    /// The forward's exchange reads rows in place ([`RowDelivery::Pull`]).
+    pull: bool,
     /// The fused gate_up's error word (it reads no `source_of` here, so never raised).
     errors: DeviceErrors,
     /// `Some` in Training: the backward's exchanges, plans, saved rows and scratch.
@@ -109,6 +112,7 @@ impl ExchangeLayer {
         config: MoeConfig,
         max_tokens: usize,
         mode: Mode,
+        delivery: RowDelivery,
     ) -> Result<Self, EpError> {
         config.validate()?;
         let (d, i, w, k) = (
@@ -117,11 +121,22 @@ impl ExchangeLayer {
             config.gate_up_width(),
             config.top_k,
         );
-        let ep = ExpertParallel::new(
-            runtime,
-            stream,
-            EpConfig::new(config.experts, k, d, max_tokens),
-        )?;
+        let fused_ok = gate_up_fused_supported(stream)?;
+        let exchange = EpConfig::new(config.experts, k, d, max_tokens);
+        let ep = match delivery.resolve(&config, mode, fused_ok, runtime.ranks())? {
+            // Auto falls back to copies where the peers are not load/store reachable: every
+            // rank meets the same reachability (one NVLink domain or not), so all of them
+            // fall back together. An explicit Pull fails instead.
+            RowDelivery::Pull => match ExpertParallel::new(runtime, stream, exchange.pulled()) {
+                Err(CommError::Unsupported(why)) if delivery == RowDelivery::Auto => {
+                    tracing::info!(%why, "expert-parallel rows are copied, not pulled");
+                    ExpertParallel::new(runtime, stream, exchange)?
+                }
+                other => other?,
+            },
+            _ => ExpertParallel::new(runtime, stream, exchange)?,
+        };
+        let pull = ep.config().pull_rows;
         let (local, rows) = (ep.placement().per_rank(), ep.recv_rows_capacity());
         if rows > i32::MAX as usize {
             return Err(EpError::Config(format!(
@@ -153,10 +168,12 @@ impl ExchangeLayer {
             act: ActivationDesc::from_config(&config),
             ids: stream.alloc_zeros(slots.max(1))?,
             weights: stream.alloc_zeros(slots.max(1))?,
-            h_pre: stream.alloc_zeros(rows * w)?,
+            // Pulled rows always take the fused gate_up: h_pre only for a backward.
+            h_pre: stream.alloc_zeros(if pull && train.is_none() { 1 } else { rows * w })?,
             h: stream.alloc_zeros(rows * i)?,
             y_e: stream.alloc_zeros(rows * d)?,
-            fused_ok: gate_up_fused_supported(stream)?,
+            fused_ok,
+            pull,
             errors: DeviceErrors::new(stream)?,
             ep,
             gemm,
@@ -208,6 +225,11 @@ impl ExchangeLayer {
         ))
     }
 
+    /// Whether the forward's rows are read in place ([`RowDelivery::Pull`]).
+    pub fn rows_pulled(&self) -> bool {
+        self.pull
+    }
+
     /// Experts this rank holds (`E / ranks`).
     pub fn local_experts(&self) -> usize {
         self.ep.placement().per_rank()
@@ -248,7 +270,8 @@ impl ExchangeLayer {
         self.check(weights, x, tokens, &routing, &*y)?;
         let (cfg, s, k) = (self.cfg, &self.stream, self.cfg.top_k);
         let routed = matches!(routing, EpRouting::Logits(_));
-        let (ids, wts): (&CudaSlice<i32>, &CudaSlice<f32>) = match routing {
+        // `None`: the layer's own copy (self.ids, self.weights), borrowed in the stage.
+        let caller: Option<(&CudaSlice<i32>, &CudaSlice<f32>)> = match routing {
             EpRouting::Logits(logits) => {
                 route(
                     &cfg,
@@ -262,7 +285,7 @@ impl ExchangeLayer {
                 if let Some(t) = &mut self.train {
                     t.save_logits(s, logits, tokens * cfg.experts)?;
                 }
-                (&self.ids, &self.weights)
+                None
             }
             EpRouting::External {
                 topk_ids,
@@ -273,13 +296,41 @@ impl ExchangeLayer {
                 let n = tokens * k;
                 s.memcpy_dtod(&topk_ids.slice(..n), &mut self.ids.slice_mut(..n))?;
                 s.memcpy_dtod(&topk_weights.slice(..n), &mut self.weights.slice_mut(..n))?;
-                (&self.ids, &self.weights)
+                None
             }
             EpRouting::External {
                 topk_ids,
                 topk_weights,
-            } => (topk_ids, topk_weights),
+            } => Some((topk_ids, topk_weights)),
         };
+        if self.pull {
+            self.forward_pulled(weights, x, tokens, caller, y)?;
+        } else {
+            self.forward_copied(weights, x, tokens, caller, y)?;
+        }
+        if self.train.is_some() {
+            self.last = Some(Last { tokens, routed });
+        }
+        Ok(())
+    }
+
+    /// The forward's exchange and expert MLP with rows copied to the receivers: dispatch,
+    /// the gate_up (fused over the received rows where that is faster, else the grouped
+    /// GEMM and the activation), the down GEMM, combine.
+    fn forward_copied<X, Y>(
+        &mut self,
+        weights: &LocalWeights<'_>,
+        x: &X,
+        tokens: usize,
+        routing: Option<(&CudaSlice<i32>, &CudaSlice<f32>)>,
+        y: &mut Y,
+    ) -> Result<(), EpError>
+    where
+        X: DevicePtr<bf16>,
+        Y: DevicePtrMut<bf16>,
+    {
+        let (cfg, s) = (self.cfg, &self.stream);
+        let (ids, wts) = routing.unwrap_or((&self.ids, &self.weights));
         let (recv, local) = (self.ep.recv_rows_capacity(), self.local_experts());
         let (last, ranks) = (local - 1, self.ep.placement().ranks());
         let d = self.ep.dispatch(x, ids, wts, tokens)?;
@@ -297,8 +348,7 @@ impl ExchangeLayer {
                 experts: local,
                 hidden: cfg.hidden,
                 offsets,
-                source_of: None,
-                x: d.x(),
+                rows: GateUpRows::InOrder { x: d.x() },
                 w: &weights.gate_up,
             };
             let h_pre = self
@@ -334,11 +384,51 @@ impl ExchangeLayer {
             &mut self.y_e,
             &mut self.gemm_ws,
         )?;
-        d.combine(&self.y_e, y)?;
-        if self.train.is_some() {
-            self.last = Some(Last { tokens, routed });
-        }
-        Ok(())
+        Ok(d.combine(&self.y_e, y)?)
+    }
+
+    /// The forward with rows pulled (Inference, one NVLink domain): the dispatch moves only
+    /// routing, the fused gate_up's producer reads every received row at its home rank
+    /// (peer addresses), then the down GEMM and combine as in [`Self::forward_copied`].
+    fn forward_pulled<X, Y>(
+        &mut self,
+        weights: &LocalWeights<'_>,
+        x: &X,
+        tokens: usize,
+        routing: Option<(&CudaSlice<i32>, &CudaSlice<f32>)>,
+        y: &mut Y,
+    ) -> Result<(), EpError>
+    where
+        X: DevicePtr<bf16>,
+        Y: DevicePtrMut<bf16>,
+    {
+        let (cfg, s) = (self.cfg, &self.stream);
+        let (ids, wts) = routing.unwrap_or((&self.ids, &self.weights));
+        let (recv, local) = (self.ep.recv_rows_capacity(), self.local_experts());
+        let d = self.ep.dispatch_pull(x, ids, wts, tokens)?;
+        let inputs = GateUpInputs {
+            tokens: recv,
+            top_k: 1,
+            experts: local,
+            hidden: cfg.hidden,
+            offsets: d.offsets(),
+            rows: GateUpRows::Peers {
+                peers: d.peer_rows(),
+                source_of: d.row_sources(),
+            },
+            w: &weights.gate_up,
+        };
+        gate_up_fused(&self.act, s, inputs, &mut self.h, None, &mut self.errors)?;
+        self.gemm.run(
+            &self.down,
+            s,
+            d.offsets(),
+            &self.h,
+            &weights.down,
+            &mut self.y_e,
+            &mut self.gemm_ws,
+        )?;
+        Ok(d.combine(&self.y_e, y)?)
     }
 
     /// Every host-knowable check of a forward.
@@ -379,5 +469,97 @@ impl ExchangeLayer {
             }
         }
         Ok(())
+    }
+}
+
+/// How an [`EpMoeLayer`](crate::EpMoeLayer)'s forward brings token rows to the ranks of
+/// their experts ([`EpMoeLayer::with_delivery`](crate::EpMoeLayer::with_delivery)).
+///
+/// ```
+/// use moefuse_ep::RowDelivery;
+/// assert_eq!(RowDelivery::default(), RowDelivery::Auto);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowDelivery {
+    /// [`RowDelivery::Pull`] where it applies and is expected to pay (an Inference layer
+    /// of a fine-grained MoE, at least [`FUSED_GATE_UP_MIN_EXPERTS`] experts, on a device
+    /// that runs the fused gate_up, 2 to [`MAX_PULL_RANKS`] ranks in one NVLink domain),
+    /// else [`RowDelivery::Copy`]. `MOEFUSE_EP_ROWS=copy|pull` overrides it (A/B benches).
+    #[default]
+    Auto,
+    /// Each token row is copied once to every rank that holds one of its experts, into
+    /// that rank's expert-major buffer (any world, any mode).
+    Copy,
+    /// Rows stay home: the dispatch sends only routing, and the receivers' fused gate_up
+    /// reads each row in place over NVLink. Inference only (a Training forward keeps the
+    /// received rows for the weight gradients); needs the fused gate_up (sm_90a), 2 to
+    /// [`MAX_PULL_RANKS`] ranks, all reachable by load/store. Saves the staging and
+    /// expert-major row buffers and one write and read of every received row.
+    Pull,
+}
+
+impl RowDelivery {
+    /// The delivery a layer of `cfg` in `mode` uses (`fused_ok`: the device runs the fused
+    /// gate_up): [`RowDelivery::Copy`] or [`RowDelivery::Pull`] (a Pull that cannot apply is
+    /// an error).
+    pub(crate) fn resolve(
+        self,
+        cfg: &MoeConfig,
+        mode: Mode,
+        fused_ok: bool,
+        ranks: usize,
+    ) -> Result<Self, EpError> {
+        let possible = mode == Mode::Inference && fused_ok && (2..=MAX_PULL_RANKS).contains(&ranks);
+        let asked = match (self, std::env::var("MOEFUSE_EP_ROWS").ok().as_deref()) {
+            (RowDelivery::Auto, Some("copy")) => RowDelivery::Copy,
+            (RowDelivery::Auto, Some("pull")) if possible => RowDelivery::Pull,
+            (RowDelivery::Auto, _) if possible && cfg.experts >= FUSED_GATE_UP_MIN_EXPERTS => {
+                RowDelivery::Pull
+            }
+            (RowDelivery::Auto, _) => RowDelivery::Copy,
+            (explicit, _) => explicit,
+        };
+        if asked == RowDelivery::Pull && !possible {
+            return Err(EpError::Config(format!(
+                "RowDelivery::Pull needs an Inference layer ({mode:?}), a device that runs the fused gate_up (sm_90a: {fused_ok}) and 2..={MAX_PULL_RANKS} ranks ({ranks})"
+            )));
+        }
+        Ok(asked)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_pulled_only_by_inference_layers_in_one_nvlink_domain() {
+        if std::env::var_os("MOEFUSE_EP_ROWS").is_some() {
+            return; // the override decides Auto; the explicit cases below hold anyway
+        }
+        let qwen = MoeConfig::new(2048, 768, 128, 8);
+        let mixtral = MoeConfig::new(4096, 14336, 8, 2);
+        let pick = |d: RowDelivery, c: &MoeConfig, m: Mode, ok: bool, n: usize| {
+            d.resolve(c, m, ok, n).ok()
+        };
+        let (auto, copy, pull) = (RowDelivery::Auto, RowDelivery::Copy, RowDelivery::Pull);
+        let (inf, train) = (Mode::Inference, Mode::Training);
+        assert_eq!(pick(auto, &qwen, inf, true, 8), Some(pull));
+        assert_eq!(pick(auto, &qwen, inf, true, 2), Some(pull));
+        assert_eq!(pick(auto, &qwen, train, true, 8), Some(copy));
+        assert_eq!(pick(auto, &qwen, inf, false, 8), Some(copy));
+        assert_eq!(pick(auto, &qwen, inf, true, 16), Some(copy));
+        assert_eq!(pick(auto, &qwen, inf, true, 1), Some(copy));
+        assert_eq!(pick(auto, &mixtral, inf, true, 8), Some(copy));
+        assert_eq!(pick(pull, &mixtral, inf, true, 8), Some(pull));
+        assert_eq!(pick(copy, &qwen, inf, true, 8), Some(copy));
+        for (m, ok, n) in [
+            (train, true, 8),
+            (inf, false, 8),
+            (inf, true, 9),
+            (inf, true, 1),
+        ] {
+            assert!(pick(pull, &qwen, m, ok, n).is_none(), "{m:?} {ok} {n}");
+        }
     }
 }

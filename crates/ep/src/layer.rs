@@ -3,7 +3,7 @@
 //! exchange layer ([`crate::exchange`]).
 
 use crate::exchange::ExchangeLayer;
-use crate::{EpError, EpGradients, EpRouting, LocalWeights};
+use crate::{EpError, EpGradients, EpRouting, LocalWeights, RowDelivery};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
@@ -82,6 +82,32 @@ impl EpMoeLayer {
         max_tokens: usize,
         mode: Mode,
     ) -> Result<Self, EpError> {
+        Self::with_delivery(runtime, stream, config, max_tokens, mode, RowDelivery::Auto)
+    }
+
+    /// [`EpMoeLayer::with_mode`] with the forward's row delivery chosen ([`RowDelivery`]):
+    /// `Auto` picks; an explicit `Pull` that cannot apply (a Training layer, a device
+    /// without the fused gate_up, more than 8 ranks, peers not load/store reachable) is an
+    /// error on every rank. At one rank nothing is exchanged, whatever `delivery` says.
+    ///
+    /// ```no_run
+    /// # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>,
+    /// #         stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<(), moefuse_ep::EpError> {
+    /// use moefuse::gpu::Mode;
+    /// use moefuse_ep::{EpMoeLayer, RowDelivery};
+    /// let cfg = moefuse::MoeConfig::new(2048, 768, 128, 8);
+    /// let layer = EpMoeLayer::with_delivery(rt, stream, cfg, 4096, Mode::Inference, RowDelivery::Pull)?;
+    /// assert!(rt.ranks() == 1 || layer.rows_pulled());
+    /// # Ok(()) }
+    /// ```
+    pub fn with_delivery(
+        runtime: &Arc<Runtime>,
+        stream: &Arc<CudaStream>,
+        config: MoeConfig,
+        max_tokens: usize,
+        mode: Mode,
+        delivery: RowDelivery,
+    ) -> Result<Self, EpError> {
         let inner = if runtime.ranks() == 1 {
             let plan = MoePlan::new(config, max_tokens)?;
             Inner::Single(Box::new(Single {
@@ -91,7 +117,8 @@ impl EpMoeLayer {
                 max_tokens,
             }))
         } else {
-            let layer = ExchangeLayer::with_mode(runtime, stream, config, max_tokens, mode)?;
+            let layer =
+                ExchangeLayer::with_mode(runtime, stream, config, max_tokens, mode, delivery)?;
             Inner::Exchange(Box::new(layer))
         };
         Ok(EpMoeLayer { inner })
@@ -139,6 +166,19 @@ impl EpMoeLayer {
         match &self.inner {
             Inner::Single(s) => s.max_tokens,
             Inner::Exchange(x) => x.max_tokens(),
+        }
+    }
+
+    /// Whether the forward reads its received rows in place at their home ranks
+    /// ([`RowDelivery::Pull`]); `false` at one rank (nothing is exchanged).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: &moefuse_ep::EpMoeLayer) { println!("pulled: {}", layer.rows_pulled()); }
+    /// ```
+    pub fn rows_pulled(&self) -> bool {
+        match &self.inner {
+            Inner::Single(_) => false,
+            Inner::Exchange(x) => x.rows_pulled(),
         }
     }
 

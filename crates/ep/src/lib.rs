@@ -47,6 +47,6 @@ mod memory;
 
 pub use backward::EpGradients;
 pub use error::EpError;
-pub use exchange::{EpRouting, LocalWeights};
+pub use exchange::{EpRouting, LocalWeights, RowDelivery};
 pub use layer::EpMoeLayer;
 pub use memory::EpLayerMemory;

@@ -5,7 +5,9 @@
 //! problem from one seed (tokens of every rank, all experts' weights), runs its own tokens
 //! with its own experts' weights, and compares its output rows with the reference's rows of
 //! the same tokens. Ragged token counts per rank, one rank that sends nothing, odd routing
-//! (every token of one rank on one owner's experts). Without a GPU every test prints SKIPPED.
+//! (every token of one rank on one owner's experts). From two ranks on, an Inference layer
+//! with rows pulled in place is checked against the reference and, bit for bit, against the
+//! same layer with rows copied. Without a GPU every test prints SKIPPED.
 
 #![forbid(unsafe_code)]
 
@@ -16,7 +18,7 @@ use moefuse::model::MoeWeights;
 use moefuse::reference::{backward, forward, RoutingInput};
 use moefuse::{MoeConfig, RouterKind};
 use moefuse_comm::{LaunchEnv, Library, Runtime, UniqueId};
-use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights};
+use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights, RowDelivery};
 use moefuse_testkit::{check_close, GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
 
@@ -216,6 +218,111 @@ fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<
     Ok(err)
 }
 
+/// The Inference forward of a fine-grained layer (32 experts: the fused gate_up's shapes)
+/// with rows pulled in place (`RowDelivery::Pull`: metadata-only dispatch, the fused
+/// gate_up reading each row at its home rank) against the reference, and against the same
+/// layer with rows copied (`RowDelivery::Copy`, whose fused gate_up reads the received rows
+/// in order by TMA: the same tiles, so the same bits). Two calls each (buffer and epoch
+/// reuse). From two ranks on; on a device without the fused gate_up it says so and passes.
+fn check_pulled(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<(), String> {
+    let cfg = MoeConfig::new(256, 128, 32, 4).with_router(RouterKind::External);
+    let (ranks, rank) = (rt.ranks(), rt.rank());
+    if ranks < 2 {
+        return Ok(()); // one rank exchanges nothing
+    }
+    if !moefuse::gpu::gate_up_fused_supported(stream).map_err(e)? {
+        println!("rank {rank}: pulled rows SKIPPED: this device does not run the fused gate_up");
+        return Ok(());
+    }
+    let tokens = tokens_of(ranks);
+    let p = problem(&cfg, &tokens, seed);
+    let (d, i, w, k) = (cfg.hidden, cfg.intermediate, cfg.gate_up_width(), cfg.top_k);
+    let routing_in = RoutingInput::External {
+        topk_ids: &p.ids,
+        topk_weights: &p.topk_w,
+    };
+    let want = forward(&cfg, &p.weights, &p.x, routing_in).map_err(e)?;
+    let first: usize = tokens[..rank].iter().sum();
+    let t = tokens[rank];
+    let max_tokens = (*tokens.iter().max().unwrap_or(&1)).max(1);
+    let build = |delivery| {
+        EpMoeLayer::with_delivery(rt, stream, cfg, max_tokens, Mode::Inference, delivery)
+            .map_err(|x| format!("rank {rank}: {delivery:?} layer: {x}"))
+    };
+    let mut pulled = build(RowDelivery::Pull)?;
+    let mut copied = build(RowDelivery::Copy)?;
+    if !pulled.rows_pulled() || copied.rows_pulled() {
+        return Err(format!(
+            "rank {rank}: rows_pulled() does not follow the delivery asked"
+        ));
+    }
+    // Pulling allocates no staged or expert-major rows: less of both kinds of memory.
+    let (mp, mc) = (pulled.memory(), copied.memory());
+    if mp.symmetric >= mc.symmetric || mp.exchange_local >= mc.exchange_local {
+        return Err(format!(
+            "rank {rank}: pulled {mp:?} is not smaller than copied {mc:?}"
+        ));
+    }
+    let (local, e0) = (pulled.local_experts(), pulled.first_expert());
+    let bf = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+    let gate_up = stream
+        .clone_htod(&bf(&p.weights.gate_up[e0 * w * d..(e0 + local) * w * d]))
+        .map_err(e)?;
+    let down = stream
+        .clone_htod(&bf(&p.weights.down[e0 * d * i..(e0 + local) * d * i]))
+        .map_err(e)?;
+    let rows = t.max(1);
+    let mut x_host = bf(&p.x[first * d..(first + t) * d]);
+    x_host.resize(rows * d, bf16::ZERO);
+    let x = stream.clone_htod(&x_host).map_err(e)?;
+    let mut ids_host = p.ids[first * k..(first + t) * k].to_vec();
+    ids_host.resize(rows * k, 0);
+    let mut wts_host = p.topk_w[first * k..(first + t) * k].to_vec();
+    wts_host.resize(rows * k, 0.0);
+    let ids = stream.clone_htod(&ids_host).map_err(e)?;
+    let wts = stream.clone_htod(&wts_host).map_err(e)?;
+    let weights = LocalWeights {
+        gate_up: gate_up.as_view(),
+        down: down.as_view(),
+    };
+    let mut outputs = Vec::new();
+    for (name, layer) in [("pulled", &mut pulled), ("copied", &mut copied)] {
+        let mut y = stream.clone_htod(&vec![POISON_BF16; rows * d]).map_err(e)?;
+        for call in 0..2 {
+            let routing = EpRouting::External {
+                topk_ids: &ids,
+                topk_weights: &wts,
+            };
+            layer
+                .forward(&weights, &x, t, routing, &mut y)
+                .map_err(|x| format!("rank {rank} {name} call {call}: {x}"))?;
+            let got: Vec<f32> = stream.clone_dtoh(&y).map_err(e)?[..t * d]
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            if t > 0 {
+                let what = format!("rank {rank} of {ranks}, {name} call {call}, seed {seed}: y");
+                check_close(&got, &want.y[first * d..(first + t) * d], 2e-2, &what)?;
+            }
+            if call == 1 {
+                outputs.push(got);
+            }
+        }
+    }
+    let differing = outputs[0]
+        .iter()
+        .zip(&outputs[1])
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    if differing > 0 {
+        return Err(format!(
+            "rank {rank} of {ranks}, seed {seed}: pulled and copied rows give {differing} different y values (same tiles, expected the same bits)"
+        ));
+    }
+    println!("rank {rank} of {ranks}: pulled rows = copied rows bit for bit ({t} tokens), memory {mp} vs {mc}");
+    Ok(())
+}
+
 fn one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let lib = Library::load(None).map_err(e)?;
     let id = UniqueId::create(&lib).map_err(e)?;
@@ -246,7 +353,8 @@ fn rank_main() -> Result<(), String> {
     let lib = Library::load(None).map_err(e)?;
     let rt = Runtime::join_launched(&lib, &ctx, &env).map_err(e)?;
     let stream = ctx.new_stream().map_err(e)?;
-    check_rank(&rt, &stream, seed).map(|_| ())
+    check_rank(&rt, &stream, seed)?;
+    check_pulled(&rt, &stream, seed ^ 0x9011)
 }
 
 fn main() {

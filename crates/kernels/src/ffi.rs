@@ -384,7 +384,16 @@ pub struct MoefuseGateUpArgs {
     pub h_pre: *mut c_void,
     /// `[1]` error bits (`MOEFUSE_MOE_ERROR_*`), or null.
     pub errors: *mut u32,
+    /// 0 (rows of `x`), or the ranks whose x `source_of` names (`s * peer_rows + t`).
+    pub peers: i32,
+    /// Rows of each `peer_x[s]`.
+    pub peer_rows: i32,
+    /// `[peer_rows, hidden]` bf16 of each rank (addresses this device loads from); null past `peers`.
+    pub peer_x: [*const c_void; MOEFUSE_GATE_UP_MAX_PEERS],
 }
+
+/// `MOEFUSE_GATE_UP_MAX_PEERS`: most ranks a fused gate_up reads rows from.
+pub const MOEFUSE_GATE_UP_MAX_PEERS: usize = 8;
 
 /// `moefuse_decode_args` (moe_abi.h): the small-batch forward's two kernels.
 #[repr(C)]
@@ -604,7 +613,8 @@ mod tests {
         assert_eq!(offset_of!(MoefuseDecodeArgs, alpha), 32);
         assert_eq!(offset_of!(MoefuseDecodeArgs, topk_ids), 40);
         assert_eq!(offset_of!(MoefuseDecodeArgs, errors), 128);
-        assert_eq!(size_of::<MoefuseGateUpArgs>(), 96);
+        assert_eq!(size_of::<MoefuseGateUpArgs>(), 168);
+        assert_eq!(offset_of!(MoefuseGateUpArgs, peer_x), 104);
         assert_eq!(offset_of!(MoefuseGateUpArgs, alpha), 32);
         assert_eq!(offset_of!(MoefuseGateUpArgs, offsets), 40);
         assert_eq!(offset_of!(MoefuseGateUpArgs, errors), 88);

@@ -15,7 +15,7 @@ mod gate_up;
 mod permute;
 pub use columns::{ColumnsToF32, ScatterColumns};
 pub use decode::{DecodeForward, DECODE_DIM_MULTIPLE};
-pub use gate_up::GateUpFused;
+pub use gate_up::{GateUpFused, GateUpRows, PeerRows};
 pub use permute::{CombineBackward, CombineForward, GatherRows, Permute};
 
 /// How the router scores experts (abi.h `moefuse_router_kind`).

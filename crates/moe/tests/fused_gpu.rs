@@ -11,7 +11,7 @@
 
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
-use moefuse::gpu::{self, ActivationDesc, DeviceErrors, GateUpInputs};
+use moefuse::gpu::{self, ActivationDesc, DeviceErrors, GateUpInputs, GateUpRows};
 use moefuse::reference::activation;
 use moefuse::{Activation, GateUpLayout, MoeError};
 use moefuse_testkit::{check_close, to_f32, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
@@ -154,8 +154,14 @@ fn check(
         experts: case.experts,
         hidden: d,
         offsets: &off_d,
-        source_of: (!gathered).then_some(&src_d as &dyn cudarc::driver::DevicePtr<i32>),
-        x: &x_d,
+        rows: if gathered {
+            GateUpRows::InOrder { x: &x_d }
+        } else {
+            GateUpRows::Gather {
+                x: &x_d,
+                source_of: &src_d,
+            }
+        },
         w: &w_d,
     };
     let h_pre = if keep_h_pre {
@@ -366,8 +372,10 @@ fn bad_source_flagged(ctx: &Arc<CudaContext>) -> Result<(), String> {
         experts: e,
         hidden: d,
         offsets: &offsets,
-        source_of: Some(&source_of),
-        x: &x,
+        rows: GateUpRows::Gather {
+            x: &x,
+            source_of: &source_of,
+        },
         w: &w,
     };
     gpu::gate_up_fused(&desc, &s, inputs, &mut h, None, &mut errors).map_err(err("launch"))?;

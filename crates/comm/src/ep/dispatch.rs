@@ -41,11 +41,53 @@ impl ExpertParallel {
         I: DevicePtr<i32>,
         W: DevicePtr<f32>,
     {
-        match self.launch_dispatch(x, topk_ids, topk_weights, tokens) {
+        match self.launch_dispatch(x, topk_ids, topk_weights, tokens, false) {
             Ok(()) => Ok(Dispatch {
                 ep: self,
                 tokens,
                 finished: false,
+            }),
+            Err(e) => {
+                self.abandon(ABORT_DISPATCH, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// The dispatch of an exchange built with [`EpConfig::pull_rows`](crate::EpConfig):
+    /// `x`'s rows go once into this rank's symmetric copy and only their routing travels;
+    /// each receiver gets the expert-major table of where its rows live
+    /// ([`PullDispatch::row_sources`], [`PullDispatch::peer_rows`]) and reads them in place
+    /// (the fused gate_up's [`GateUpRows::Peers`](moefuse_kernels::GateUpRows)). Collective;
+    /// checks and failures as [`ExpertParallel::dispatch`].
+    ///
+    /// ```no_run
+    /// # fn demo(ep: &mut moefuse_comm::ExpertParallel, x: &cudarc::driver::CudaSlice<half::bf16>,
+    /// #         ids: &cudarc::driver::CudaSlice<i32>, w: &cudarc::driver::CudaSlice<f32>)
+    /// #         -> Result<(), moefuse_comm::CommError> {
+    /// let d = ep.dispatch_pull(x, ids, w, 4096)?;
+    /// let (sources, peers) = (d.row_sources(), d.peer_rows());
+    /// # Ok(()) }
+    /// ```
+    pub fn dispatch_pull<X, I, W>(
+        &mut self,
+        x: &X,
+        topk_ids: &I,
+        topk_weights: &W,
+        tokens: usize,
+    ) -> Result<PullDispatch<'_>, CommError>
+    where
+        X: DevicePtr<bf16>,
+        I: DevicePtr<i32>,
+        W: DevicePtr<f32>,
+    {
+        match self.launch_dispatch(x, topk_ids, topk_weights, tokens, true) {
+            Ok(()) => Ok(PullDispatch {
+                inner: Dispatch {
+                    ep: self,
+                    tokens,
+                    finished: false,
+                },
             }),
             Err(e) => {
                 self.abandon(ABORT_DISPATCH, &e);
@@ -60,6 +102,7 @@ impl ExpertParallel {
         topk_ids: &I,
         topk_weights: &W,
         tokens: usize,
+        pull: bool,
     ) -> Result<(), CommError>
     where
         X: DevicePtr<bf16>,
@@ -67,6 +110,14 @@ impl ExpertParallel {
         W: DevicePtr<f32>,
     {
         self.check()?;
+        if pull != self.cfg.pull_rows {
+            // The same on every rank (the configuration hash includes pull_rows).
+            return Err(CommError::Unsupported(if pull {
+                "dispatch_pull needs an exchange built with EpConfig::pull_rows".into()
+            } else {
+                "this exchange was built with EpConfig::pull_rows: its rows are read in place (dispatch_pull)".into()
+            }));
+        }
         let cap = Capacity {
             max_tokens: self.cfg.max_tokens,
             top_k: self.cfg.top_k,
@@ -205,6 +256,63 @@ impl Dispatch<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// The received-row table of one [`ExpertParallel::dispatch_pull`]: where each expert-major
+/// row lives (rank and token), its weight and origin; the rows themselves stay at their
+/// home ranks until the matching [`PullDispatch::combine`] (every rank must combine before
+/// it dispatches again; dropping it without combining abandons the call, as [`Dispatch`]).
+pub struct PullDispatch<'a> {
+    inner: Dispatch<'a>,
+}
+
+impl PullDispatch<'_> {
+    /// Prefix-sum ends of each local expert's rows, on the device.
+    pub fn offsets(&self) -> &CudaSlice<i32> {
+        self.inner.offsets()
+    }
+
+    /// Routing weight of each received row.
+    pub fn weights(&self) -> &CudaSlice<f32> {
+        self.inner.weights()
+    }
+
+    /// `(source rank, token, slot)` of each received row, `[rows, 3]`.
+    pub fn origin(&self) -> &CudaSlice<i32> {
+        self.inner.origin()
+    }
+
+    /// `source rank * max_tokens + token` of each received row: the row of
+    /// [`PullDispatch::peer_rows`] it reads (`[recv_rows_capacity]`, the first
+    /// `offsets[local_experts - 1]` valid).
+    pub fn row_sources(&self) -> &CudaSlice<i32> {
+        &self.inner.ep.local.recv_src
+    }
+
+    /// Every rank's copy of its rows (`[max_tokens, hidden]` each), as this device's
+    /// load/store addresses: what [`PullDispatch::row_sources`] indexes.
+    pub fn peer_rows(&self) -> &moefuse_kernels::PeerRows {
+        self.inner
+            .ep
+            .peer_rows
+            .as_ref()
+            .expect("a pull exchange holds its peer rows (built in ExpertParallel::new)")
+    }
+
+    /// Rows received (synchronises; for tests and tools), as [`Dispatch::received_rows`].
+    pub fn received_rows(&self) -> Result<usize, CommError> {
+        self.inner.received_rows()
+    }
+
+    /// Reduces the expert outputs `y` (`[rows, hidden]` bf16, in the received rows' order)
+    /// back to this rank's tokens, as [`Dispatch::combine`].
+    pub fn combine<Y, O>(self, y: &Y, out: &mut O) -> Result<(), CommError>
+    where
+        Y: DevicePtr<bf16>,
+        O: DevicePtrMut<bf16>,
+    {
+        self.inner.combine(y, out)
     }
 }
 

@@ -24,6 +24,7 @@ pub(crate) fn config_hash(cfg: &EpConfig) -> u64 {
         cfg.top_k as u64,
         cfg.hidden as u64,
         cfg.max_tokens as u64,
+        cfg.pull_rows as u64,
     ] {
         for b in v.to_le_bytes() {
             h ^= b as u64;
@@ -129,7 +130,7 @@ mod tests {
     }
 
     #[test]
-    fn the_hash_sees_every_size_but_not_the_deadline() {
+    fn the_hash_sees_every_size_and_the_row_mode_but_not_the_deadline() {
         let base = config_hash(&cfg());
         for other in [
             EpConfig {
@@ -145,6 +146,7 @@ mod tests {
                 max_tokens: 4097,
                 ..cfg()
             },
+            cfg().pulled(),
         ] {
             assert_ne!(config_hash(&other), base, "{other:?}");
         }

@@ -16,12 +16,13 @@ use std::mem::size_of;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EpMemory {
-    /// On the NVSHMEM symmetric heap (every rank holds the same): the staging rows, their
-    /// info and weights, the combine partials, the count rows, the signals and the
-    /// construction handshake's table.
+    /// On the NVSHMEM symmetric heap (every rank holds the same): the staging rows (none
+    /// when rows are pulled: then each rank's own rows instead), their info and weights,
+    /// the combine partials, the count rows, the signals and the construction handshake's
+    /// table.
     pub symmetric: usize,
-    /// Ordinary device memory: the received expert-major rows, their weights and origins,
-    /// and the count and offset state.
+    /// Ordinary device memory: the received expert-major rows (none when rows are pulled),
+    /// their weights and origins, and the count and offset state.
     pub local: usize,
     /// Staging rows (`ranks · max_tokens`): one per (source rank, token).
     pub staging_rows: usize,
@@ -66,6 +67,7 @@ impl Symmetric {
             + bytes::<u16>(self.stage_x.len())
             + bytes::<i32>(self.stage_info.len())
             + bytes::<f32>(self.stage_w.len())
+            + bytes::<u16>(self.x_home.len())
             + bytes::<u64>(self.disp_sig.len())
             + bytes::<u16>(self.comb_x.len())
             + bytes::<u64>(self.comb_sig.len())
@@ -84,7 +86,8 @@ impl Local {
             + self.comb_base.len()
             + self.src_base.len()
             + self.recv_offsets.len()
-            + self.recv_origin.len();
+            + self.recv_origin.len()
+            + self.recv_src.len();
         bytes::<i32>(i32s)
             + bytes::<u64>(self.epoch.len() + self.fault.len())
             + bytes::<u32>(self.done.len() + self.status.len())
@@ -102,12 +105,11 @@ impl ExpertParallel {
     /// # }
     /// ```
     pub fn memory(&self) -> EpMemory {
-        let d = self.cfg.hidden.max(1);
         EpMemory {
             symmetric: self.sym.bytes(),
             local: self.local.bytes(),
-            staging_rows: self.sym.stage_x.len() / d,
-            recv_rows: self.local.recv_x.len() / d,
+            staging_rows: self.sym.stage_info.len() / (self.cfg.top_k + 1),
+            recv_rows: self.local.recv_w.len(),
         }
     }
 }

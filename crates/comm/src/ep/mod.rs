@@ -31,7 +31,7 @@ mod memory;
 mod params;
 mod setup;
 
-pub use dispatch::Dispatch;
+pub use dispatch::{Dispatch, PullDispatch};
 pub use memory::EpMemory;
 
 use crate::device_module::{self, DeviceModule, HostWords, Kernel};
@@ -69,7 +69,19 @@ pub struct EpConfig {
     /// The deadline of every device wait on a peer (1 ms to 1 h; not compared across
     /// ranks). A wait that reaches it ends the call with [`CommError::PeerTimeout`].
     pub timeout: Duration,
+    /// Rows stay home ([`ExpertParallel::dispatch_pull`]): each rank copies its tokens' rows
+    /// once into a symmetric buffer and sends only their routing; the receivers read the
+    /// rows in place through peer addresses (the fused gate_up's producer). Needs every
+    /// peer reachable by load/store (one NVLink domain) and at most
+    /// [`MAX_PULL_RANKS`] ranks; no staging or expert-major row buffer is allocated, and
+    /// [`ExpertParallel::dispatch`] is refused. `false` (the default): rows are copied to
+    /// the receivers ([`ExpertParallel::dispatch`]).
+    pub pull_rows: bool,
 }
+
+/// Most ranks of a [`EpConfig::pull_rows`] exchange (the fused gate_up reads rows from at
+/// most this many ranks: one NVLink domain of 8 GPUs).
+pub const MAX_PULL_RANKS: usize = moefuse_kernels::PeerRows::MAX_RANKS;
 
 /// Largest world the count kernel's shared memory is sized for.
 pub const MAX_RANKS: usize = 64;
@@ -93,6 +105,21 @@ impl EpConfig {
             hidden,
             max_tokens,
             timeout: DEFAULT_EP_TIMEOUT,
+            pull_rows: false,
+        }
+    }
+
+    /// The same sizes with rows pulled by the receivers ([`EpConfig::pull_rows`]).
+    ///
+    /// ```
+    /// let cfg = moefuse_comm::EpConfig::new(16, 4, 1024, 2048).pulled();
+    /// assert!(cfg.pull_rows);
+    /// assert!(cfg.check(8).is_ok() && cfg.check(16).is_err());
+    /// ```
+    pub const fn pulled(self) -> Self {
+        EpConfig {
+            pull_rows: true,
+            ..self
         }
     }
 
@@ -127,6 +154,9 @@ impl EpConfig {
         if self.max_tokens == 0 || self.max_tokens > 1 << 20 {
             return bad("max_tokens", self.max_tokens, "1..=1048576");
         }
+        if self.pull_rows && ranks > MAX_PULL_RANKS {
+            return bad("ranks (pull_rows)", ranks, "1..=8 (MAX_PULL_RANKS)");
+        }
         let ms = self.timeout.as_millis();
         if !(1..=3_600_000).contains(&ms) {
             return bad(
@@ -156,6 +186,8 @@ struct Symmetric {
     stage_x: SymmetricBuffer<u16>,
     stage_info: SymmetricBuffer<i32>,
     stage_w: SymmetricBuffer<f32>,
+    /// `[max_tokens, hidden]` with [`EpConfig::pull_rows`] (one element otherwise).
+    x_home: SymmetricBuffer<u16>,
     disp_sig: SymmetricBuffer<u64>,
     comb_x: SymmetricBuffer<u16>,
     comb_sig: SymmetricBuffer<u64>,
@@ -179,6 +211,8 @@ struct Local {
     recv_offsets: CudaSlice<i32>,
     recv_w: CudaSlice<f32>,
     recv_origin: CudaSlice<i32>,
+    /// `source rank * max_tokens + token` per received row ([`EpConfig::pull_rows`]).
+    recv_src: CudaSlice<i32>,
 }
 
 struct Kernels {
@@ -219,6 +253,8 @@ pub struct ExpertParallel {
     /// Why this rank abandoned a collective (a host-side error), if it did.
     broken: Option<String>,
     local: Local,
+    /// Every rank's `x_home` as this device's addresses ([`EpConfig::pull_rows`]).
+    peer_rows: Option<moefuse_kernels::PeerRows>,
     // Freed by Drop, in this order, once the stream is idle (leaked if it never is): the
     // kernels address them through `base`.
     sym: ManuallyDrop<Symmetric>,
@@ -293,8 +329,8 @@ impl ExpertParallel {
         &self.local.recv_origin
     }
 
-    /// Rows the expert-major receive buffer holds (the worst case: every token of every
-    /// rank with all slots that can land here).
+    /// Expert-major rows this rank can receive (the worst case: every token of every rank
+    /// with all slots that can land here).
     pub fn recv_rows_capacity(&self) -> usize {
         self.local.recv_w.len()
     }

@@ -79,7 +79,9 @@ pub(crate) struct EpParams {
     pub fault_host: u64,
     pub hello: u64,
     pub abort_stage: i32,
-    pub reserved: i32,
+    pub pull: i32,
+    pub x_home: u64,
+    pub recv_src: u64,
 }
 
 #[cfg(test)]
@@ -88,7 +90,8 @@ mod tests {
     use std::mem::{offset_of, size_of};
 
     /// Offsets as the C compiler lays out `moefuse_ep_params` on LP64 (8 ints, an int64,
-    /// 30 pointers, then the guard block: 3 u64, 3 pointers, 2 ints).
+    /// 30 pointers, then the guard block: 3 u64, 3 pointers, 2 ints; then the pull block's
+    /// two pointers).
     #[test]
     fn layout_matches_the_c_struct() {
         assert_eq!(offset_of!(EpParams, recv_rows_cap), 32);
@@ -101,6 +104,9 @@ mod tests {
         assert_eq!(offset_of!(EpParams, fault), 288);
         assert_eq!(offset_of!(EpParams, hello), 304);
         assert_eq!(offset_of!(EpParams, abort_stage), 312);
-        assert_eq!(size_of::<EpParams>(), 320);
+        assert_eq!(offset_of!(EpParams, pull), 316);
+        assert_eq!(offset_of!(EpParams, x_home), 320);
+        assert_eq!(offset_of!(EpParams, recv_src), 328);
+        assert_eq!(size_of::<EpParams>(), 336);
     }
 }

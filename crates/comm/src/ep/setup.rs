@@ -104,6 +104,17 @@ impl ExpertParallel {
         let agreed = guard::agree(&table, rank, hash);
         let place = checked?;
         let epoch_base = agreed?;
+        if cfg.pull_rows {
+            // Every rank runs the same test on the same world (NVLink reachability is
+            // symmetric), so all of them fail here together, before any sized allocation.
+            for pe in 0..ranks {
+                if hello.peer_ptr(pe)?.is_none() {
+                    return Err(CommError::Unsupported(format!(
+                        "pull_rows: rank {pe} is not reachable by load/store from rank {rank} (rows can only be read in place within one NVLink domain)"
+                    )));
+                }
+            }
+        }
 
         let (e, k, d, t) = (cfg.experts, cfg.top_k, cfg.hidden, cfg.max_tokens);
         let c = e + ranks;
@@ -115,16 +126,38 @@ impl ExpertParallel {
         let staged = cap.staging_rows();
         let rows = cap.expert_rows();
         let comb_rows = t * k.min(ranks);
+        // Rows pulled: no staged or expert-major row copies, each rank's own rows instead.
+        let pull = cfg.pull_rows;
         let sym = Symmetric {
             meta: runtime.alloc(ranks * c)?,
             meta_sig: runtime.alloc(ranks)?,
-            stage_x: runtime.alloc(staged * d)?,
+            stage_x: runtime.alloc(if pull { 1 } else { staged * d })?,
             stage_info: runtime.alloc(staged * (k + 1))?,
             stage_w: runtime.alloc(staged * k)?,
+            x_home: runtime.alloc(if pull { t * d } else { 1 })?,
             disp_sig: runtime.alloc(ranks)?,
             comb_x: runtime.alloc(comb_rows * d)?,
             comb_sig: runtime.alloc(ranks)?,
             hello,
+        };
+        let peer_rows = if pull {
+            let mut bases = Vec::with_capacity(ranks);
+            for pe in 0..ranks {
+                bases.push(sym.x_home.peer_ptr(pe)?.ok_or_else(|| {
+                    CommError::Unsupported(format!(
+                        "pull_rows: rank {pe} is not load/store reachable"
+                    ))
+                })?);
+            }
+            // SAFETY: each base is rank pe's `x_home`, `[t, d]` bf16, mapped for this device
+            // by NVSHMEM; it is freed only in ExpertParallel's Drop, after the stream is idle,
+            // and the PeerRows never leaves the instance (it is lent by `&` to launches on its
+            // stream). A rank rewrites its x_home only in its next dispatch, after every
+            // peer's combine of the previous call (the module's reuse rule).
+            let rows = unsafe { moefuse_kernels::PeerRows::new(runtime.context(), &bases, t, d) };
+            Some(rows.map_err(|e| CommError::Unsupported(format!("pull_rows: {e}")))?)
+        } else {
+            None
         };
         // Signals must start at zero on every rank before any peer can raise one.
         for sig in [&sym.meta_sig, &sym.disp_sig, &sym.comb_sig] {
@@ -143,10 +176,11 @@ impl ExpertParallel {
             src_base: zeros(stream, ranks + 1)?,
             status: zeros(stream, 2)?,
             fault: zeros(stream, FAULT_WORDS)?,
-            recv_x: zeros(stream, rows * d)?,
+            recv_x: zeros(stream, if pull { 1 } else { rows * d })?,
             recv_offsets: zeros(stream, place.per_rank())?,
             recv_w: zeros(stream, rows)?,
             recv_origin: zeros(stream, rows * 3)?,
+            recv_src: zeros(stream, if pull { rows } else { 1 })?,
         };
         let fault_host = HostWords::new(runtime, FAULT_WORDS)?;
         runtime.barrier_on_stream(s);
@@ -190,6 +224,9 @@ impl ExpertParallel {
             fault: ptr(&local.fault, s),
             fault_host: fault_host.device_ptr(),
             hello: sym.hello.device_ptr(),
+            pull: pull as i32,
+            x_home: sym.x_home.device_ptr(),
+            recv_src: ptr(&local.recv_src, s),
             ..EpParams::default()
         };
         // Two 256-thread blocks per SM: 16 warps, each with 4 row loads per lane in flight.
@@ -217,6 +254,7 @@ impl ExpertParallel {
             kernels,
             broken: None,
             local,
+            peer_rows,
             sym: ManuallyDrop::new(sym),
             fault_host: ManuallyDrop::new(fault_host),
             module: ManuallyDrop::new(module),

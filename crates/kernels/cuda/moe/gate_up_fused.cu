@@ -14,10 +14,11 @@
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
-static_assert(sizeof(moefuse_gate_up_args) == 96, "moefuse_gate_up_args layout changed: update ffi.rs");
+static_assert(sizeof(moefuse_gate_up_args) == 168, "moefuse_gate_up_args layout changed: update ffi.rs");
 static_assert(offsetof(moefuse_gate_up_args, alpha) == 32, "moefuse_gate_up_args layout changed");
 static_assert(offsetof(moefuse_gate_up_args, offsets) == 40, "moefuse_gate_up_args layout changed");
 static_assert(offsetof(moefuse_gate_up_args, errors) == 88, "moefuse_gate_up_args layout changed");
+static_assert(offsetof(moefuse_gate_up_args, peer_x) == 104, "moefuse_gate_up_args layout changed");
 
 namespace moefuse::moe {
 namespace {
@@ -36,8 +37,13 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 using Kernel = kernel::Sm90GateUpFused<Mainloop, kMaxGroups>;
 using KernelPair = kernel::Sm90GateUpFused<Mainloop, kMaxGroups, 2>;
-static_assert(sizeof(Kernel::Params) == sizeof(KernelPair::Params) && Kernel::kSharedBytes == KernelPair::kSharedBytes,
-              "fused gate_up: the single and paired kernels share their parameters and shared memory");
+// The expert-parallel pull dispatch's twins: rows read from the ranks' x in place.
+using KernelPeer = kernel::Sm90GateUpFused<Mainloop, kMaxGroups, 1, true>;
+using KernelPeerPair = kernel::Sm90GateUpFused<Mainloop, kMaxGroups, 2, true>;
+static_assert(sizeof(Kernel::Params) == sizeof(KernelPair::Params) && Kernel::kSharedBytes == KernelPair::kSharedBytes &&
+                  sizeof(Kernel::Params) == sizeof(KernelPeerPair::Params) &&
+                  Kernel::kSharedBytes == KernelPeerPair::kSharedBytes,
+              "fused gate_up: the four kernels share their parameters and shared memory");
 
 // The per-row boxes write where the collective's layouts say row r of a stage lives: rows
 // 128 bytes apart (8-row swizzle atoms stacked along M), stages one tile apart, and the
@@ -80,10 +86,20 @@ moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: x of %d x %d exceeds 2^32 16-byte chunks", name, a->tokens,
                 a->hidden);
   }
-  if (a->offsets == nullptr || a->x == nullptr || a->w == nullptr || a->h == nullptr) {
+  if (a->peers < 0 || a->peers > MOEFUSE_GATE_UP_MAX_PEERS ||
+      (a->peers > 0 && (a->source_of == nullptr || a->peer_rows < 1))) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: peers=%d (0..%d, with source_of), peer_rows=%d", name, a->peers,
+                MOEFUSE_GATE_UP_MAX_PEERS, a->peer_rows);
+  }
+  for (int s = 0; s < a->peers; ++s) {
+    if (a->peer_x[s] == nullptr || !aligned16(a->peer_x[s])) {
+      return fail(MOEFUSE_STATUS_MISALIGNED, "%s: peer_x[%d] must be a 16-byte aligned address", name, s);
+    }
+  }
+  if (a->offsets == nullptr || (a->peers == 0 && a->x == nullptr) || a->w == nullptr || a->h == nullptr) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
   }
-  if (!aligned16(a->x) || !aligned16(a->w) || !aligned16(a->h) || (a->h_pre != nullptr && !aligned16(a->h_pre)) ||
+  if ((a->x != nullptr && !aligned16(a->x)) || !aligned16(a->w) || !aligned16(a->h) || (a->h_pre != nullptr && !aligned16(a->h_pre)) ||
       (reinterpret_cast<uintptr_t>(a->offsets) & 3u) || (reinterpret_cast<uintptr_t>(a->source_of) & 3u)) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: x, w, h, h_pre must be 16-byte aligned, offsets and source_of 4",
                 name);
@@ -101,6 +117,8 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Params& p) {
   moefuse_status st = moefuse::encode_bf16_map<3>(&p.tmap_w, a.w, {cuuint64_t(a.hidden), cuuint64_t(width), cuuint64_t(a.experts)},
                  {cuuint64_t(a.hidden) * 2, cuuint64_t(width * a.hidden) * 2}, {64, 128, 1}, "W boxes");
   if (st != MOEFUSE_STATUS_OK) return st;
+  // Peer rows: x is not read; the collective's (unread) Params still need an operand.
+  const void* x = a.peers > 0 ? static_cast<const void*>(a.peer_x[0]) : a.x;
   if (a.source_of == nullptr) {  // contiguous: x is [tokens * top_k, hidden], rows in order
     st = moefuse::encode_bf16_map<2>(&p.tmap_rows, a.x, {cuuint64_t(a.hidden), cuuint64_t(rows)},
                                      {cuuint64_t(a.hidden) * 2}, {64, 128}, "x rows");
@@ -114,12 +132,17 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Params& p) {
   get<2>(sa) = 0;
   StrideB sb = leading_stride<StrideB>(a.hidden);
   get<2>(sb) = width * a.hidden;
-  typename Mainloop::Arguments args{reinterpret_cast<const Element*>(a.x), sa, reinterpret_cast<const Element*>(a.w), sb};
+  typename Mainloop::Arguments args{reinterpret_cast<const Element*>(x), sa, reinterpret_cast<const Element*>(a.w), sb};
   p.mainloop = Mainloop::to_underlying_arguments(make_shape(int(tokens), int(width), a.hidden, 1), args, nullptr);
   const int band = (a.tile_order >> 8) & 0xff;
   p.offsets = a.offsets;
   p.source_of = a.source_of;
-  p.x = reinterpret_cast<const Element*>(a.x);
+  p.x = reinterpret_cast<const Element*>(x);
+  p.peers = a.peers;
+  p.peer_rows = a.peer_rows;
+  for (int s = 0; s < MOEFUSE_GATE_UP_MAX_PEERS; ++s) {
+    p.peer_x[s] = reinterpret_cast<const Element*>(s < a.peers ? a.peer_x[s] : a.peer_x[0]);
+  }
   p.h = reinterpret_cast<Element*>(a.h);
   p.h_pre = reinterpret_cast<Element*>(a.h_pre);
   p.errors = a.errors;
@@ -190,6 +213,9 @@ extern "C" moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* 
                 device, major, minor);
   }
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
-  return cluster_pairs(*a) ? launch<KernelPair>(*a, sms, static_cast<cudaStream_t>(stream), name)
-                         : launch<Kernel>(*a, sms, static_cast<cudaStream_t>(stream), name);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (a->peers > 0) {
+    return cluster_pairs(*a) ? launch<KernelPeerPair>(*a, sms, s, name) : launch<KernelPeer>(*a, sms, s, name);
+  }
+  return cluster_pairs(*a) ? launch<KernelPair>(*a, sms, s, name) : launch<Kernel>(*a, sms, s, name);
 }

@@ -9,13 +9,15 @@ use crate::MoeError;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moefuse_kernels::{self as mk, Kernels, VariantArch};
+pub use moefuse_kernels::{GateUpRows, PeerRows};
 use std::sync::Arc;
 
-/// The routed rows and operands of one fused gate_up: `tokens` rows of `x [T, hidden]`, the
-/// permutation's `offsets [experts]` and `source_of [T * top_k]` (device data the kernel
-/// bounds), and the expert weights `w [experts, W, hidden]` (`W = 2I` gated, `I` for
-/// `Relu2`). Without `source_of`, `x` is `[T * top_k, hidden]` already in expert-major order
-/// (the permutation's `x_perm`): the GEMM reads it by TMA and only the activation is fused.
+/// The routed rows and operands of one fused gate_up: the permutation's `offsets [experts]`
+/// (device data the kernel bounds), where the `T * top_k` rows come from (`rows`: gathered
+/// from `x [T, hidden]` by the permutation's `source_of`, already in expert-major order as
+/// the permutation's `x_perm` (then the GEMM reads it by TMA and only the activation is
+/// fused), or read in place from the ranks of an expert-parallel group), and the expert
+/// weights `w [experts, W, hidden]` (`W = 2I` gated, `I` for `Relu2`).
 pub struct GateUpInputs<'a> {
     /// Tokens `T`.
     pub tokens: usize,
@@ -27,10 +29,8 @@ pub struct GateUpInputs<'a> {
     pub hidden: usize,
     /// `[experts]` prefix-sum ends (the permutation's).
     pub offsets: &'a dyn DevicePtr<i32>,
-    /// `[T * top_k]` (the permutation's), or `None` when `x` holds the routed rows in order.
-    pub source_of: Option<&'a dyn DevicePtr<i32>>,
-    /// `[T, hidden]`, or `[T * top_k, hidden]` without `source_of`.
-    pub x: &'a dyn DevicePtr<bf16>,
+    /// Where the rows come from.
+    pub rows: GateUpRows<'a>,
     /// `[experts, W, hidden]`.
     pub w: &'a dyn DevicePtr<bf16>,
 }
@@ -125,7 +125,7 @@ pub(super) fn supported_by(kernels: &Kernels) -> bool {
 /// entry reads token 0 and raises a bit in `errors` ([`DeviceErrors::take`]).
 ///
 /// ```no_run
-/// use moefuse::gpu::{gate_up_fused, ActivationDesc, DeviceErrors, GateUpInputs};
+/// use moefuse::gpu::{gate_up_fused, ActivationDesc, DeviceErrors, GateUpInputs, GateUpRows};
 /// use moefuse::{Activation, GateUpLayout};
 /// let ctx = cudarc::driver::CudaContext::new(0)?;
 /// let s = ctx.default_stream();
@@ -136,7 +136,7 @@ pub(super) fn supported_by(kernels: &Kernels) -> bool {
 /// let mut errors = DeviceErrors::new(&s)?;
 /// let desc = ActivationDesc::new(Activation::SwiGlu, GateUpLayout::Split, i);
 /// let inputs = GateUpInputs { tokens: t, top_k: k, experts: e, hidden: d, offsets: &offsets,
-///     source_of: Some(&source_of), x: &x, w: &w };
+///     rows: GateUpRows::Gather { x: &x, source_of: &source_of }, w: &w };
 /// gate_up_fused(&desc, &s, inputs, &mut h, None, &mut errors)?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -177,8 +177,7 @@ pub(super) fn gate_up_fused_with(
             layout,
             tile_order: tile_order_for(inputs.tokens * inputs.top_k, inputs.experts),
             offsets: inputs.offsets,
-            source_of: inputs.source_of,
-            x: inputs.x,
+            rows: inputs.rows,
             w: inputs.w,
             h,
             h_pre: h_pre.map(|p| p as &mut dyn DevicePtrMut<bf16>),

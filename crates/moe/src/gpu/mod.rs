@@ -66,8 +66,8 @@ pub use decode::{
 };
 pub use errors::DeviceErrors;
 pub use fused::{
-    gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, GateUpInputs,
-    FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
+    gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, GateUpInputs, GateUpRows,
+    PeerRows, FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
     FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT,
 };
 pub use layer::{

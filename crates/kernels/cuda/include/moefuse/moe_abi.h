@@ -130,7 +130,14 @@ typedef struct moefuse_combine_bwd_args {
  * 0..tokens*top_k-1 reads token 0 and raises MOEFUSE_MOE_ERROR_SOURCE in errors[0] (may be
  * NULL). Another device than compute capability 9.0 returns MOEFUSE_STATUS_ARCH_MISMATCH
  * (the unfused path then runs).
+ * Peer rows (peers > 0; the expert-parallel pull dispatch): source_of[r] = s * peer_rows + t
+ * reads row t of peer_x[s] ([peer_rows, hidden] bf16, 16-byte aligned, an address this
+ * device loads from: its own memory or a peer's over NVLink); x is then not read (it may
+ * be NULL); an entry with s >= peers reads row 0 of peer_x[0] and raises
+ * MOEFUSE_MOE_ERROR_SOURCE. 1 <= peers <= MOEFUSE_GATE_UP_MAX_PEERS.
  */
+#define MOEFUSE_GATE_UP_MAX_PEERS 8
+
 typedef struct moefuse_gate_up_args {
   int32_t tokens;
   int32_t top_k;
@@ -149,6 +156,9 @@ typedef struct moefuse_gate_up_args {
   uint16_t* h;               /* [tokens*top_k, intermediate] bf16 */
   uint16_t* h_pre;           /* [tokens*top_k, W] bf16, or NULL */
   uint32_t* errors;          /* [1]: error bits, or NULL */
+  int32_t peers;             /* 0: rows of x; 1..MOEFUSE_GATE_UP_MAX_PEERS: rows of peer_x[s] */
+  int32_t peer_rows;         /* rows of each peer_x[s] */
+  const uint16_t* peer_x[MOEFUSE_GATE_UP_MAX_PEERS]; /* [peer_rows, hidden] bf16 each; unused entries NULL */
 } moefuse_gate_up_args;
 
 moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* args, void* stream);

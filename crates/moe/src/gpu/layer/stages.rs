@@ -9,7 +9,7 @@ use super::workspace::SlotViews;
 use super::{MoePlan, Routing, Weights};
 use crate::gpu::activation::activation_forward_with;
 use crate::gpu::decode::{decode_forward_with, DecodeInputs, DecodeSaved};
-use crate::gpu::fused::{gate_up_fused_with, GateUpInputs};
+use crate::gpu::fused::{gate_up_fused_with, GateUpInputs, GateUpRows};
 use crate::gpu::permute::{combine_impl, permute_with};
 use crate::gpu::router::{route_backward_with, route_with};
 use crate::gpu::{ActivationDesc, DeviceErrors, PermuteBuffers, Rows};
@@ -151,8 +151,14 @@ impl Cx<'_> {
             experts: c.experts,
             hidden: c.hidden,
             offsets: &perm.offsets,
-            source_of: gather.then_some(&perm.source_of as &dyn DevicePtr<i32>),
-            x,
+            rows: if gather {
+                GateUpRows::Gather {
+                    x,
+                    source_of: &perm.source_of,
+                }
+            } else {
+                GateUpRows::InOrder { x }
+            },
             w: &w.gate_up,
         };
         let errors = &mut perm.errors;

@@ -96,7 +96,13 @@ typedef struct moefuse_ep_params {
   uint64_t* fault_host; /* [4] host-mapped copy of fault, written last-word-first */
   uint64_t* hello;      /* sym [ranks][4]: magic, cfg_hash, epoch_base, rank of each rank */
   int32_t abort_stage;  /* abort: 0 peers wait for epoch + 1 (dispatch), 1 for epoch (combine) */
-  int32_t reserved;
+  /* Pull block (appended). pull != 0: rows stay home. dispatch copies each token's row once
+     into x_home (this rank's, read by the receivers in place) and sends only its routing
+     (stage_info, stage_w); no row enters stage_x or recv_x; dispatch and expand write
+     recv_src[row] = source rank * max_tokens + token instead. */
+  int32_t pull;
+  uint16_t* x_home;  /* sym [max_tokens, hidden] (pull) */
+  int32_t* recv_src; /* [recv_rows_cap] (pull) source rank * max_tokens + token of each row */
 } moefuse_ep_params;
 
 #ifdef __cplusplus

@@ -4,7 +4,10 @@
 //   h_pre[r, :] = x[source_of[r] / top_k, :] · W_e^T,   h[r, j] = act(gate j, up j)
 // or, without source_of (the contiguous mode), x's row r itself (x already gathered, as the
 // unfused path's x_perm): then A comes by one 128-row TMA box per k-block, as in the plain
-// contiguous GEMM, and only the activation is fused.
+// contiguous GEMM, and only the activation is fused. With kPeerRows (the expert-parallel
+// layer's pull dispatch), source_of[r] = s * peer_rows + t names row t of rank s's x, read
+// in place through its peer address (NVLink or this device): the dispatch moved only the
+// routing metadata, and the producer reads each remote row where it lives.
 //
 //   warp            role                                            registers
 //   0-3 (WG 0)      producers: warp w copies tile rows 32w..32w+31  56
@@ -55,7 +58,7 @@
 
 namespace moefuse::kernel {
 
-template <class Mainloop_, int kMaxGroups_, int kClusterM_ = 1>
+template <class Mainloop_, int kMaxGroups_, int kClusterM_ = 1, bool kPeerRows_ = false>
 struct Sm90GateUpFused {
   using Mainloop = Mainloop_;
   using TileShape = typename Mainloop::TileShape;
@@ -68,6 +71,9 @@ struct Sm90GateUpFused {
   // CTAs per cluster along M: 2 share each W_e box pair (CTA r loads box r and multicasts
   // it to both), their tiles the same (expert, n-block) at m-blocks 2u and 2u + 1.
   static constexpr int kClusterM = kClusterM_;
+  // Rows read from the x of up to kMaxPeers ranks (64-bit row addresses in the producer).
+  static constexpr bool kPeerRows = kPeerRows_;
+  static constexpr int kMaxPeers = MOEFUSE_GATE_UP_MAX_PEERS;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   static constexpr int kTileM = cute::size<0>(TileShape{});
   static constexpr int kTileN = cute::size<1>(TileShape{});
@@ -123,6 +129,9 @@ struct Sm90GateUpFused {
     int band;
     int n_fast;
     int interleave;
+    int peers;      // kPeerRows: ranks whose x rows source_of names (1..kMaxPeers)
+    int peer_rows;  // kPeerRows: rows of each rank's x
+    const cutlass::bfloat16_t* peer_x[kMaxPeers];  // kPeerRows: rank s's x [peer_rows, hidden]
   };
 
   enum class Role { Producer, Consumer };
@@ -206,13 +215,22 @@ struct Sm90GateUpFused {
     // The token row of tile row t; rows past the last routed row (the tile's tail) and bad
     // source_of entries read token 0 (their products are never stored).
     const int row = tile.row0 + t;
-    int token = 0;
+    int token = 0, peer = 0;
     if (row < total_rows) {
       const int src = p.source_of[row];
-      if (src >= 0 && src < p.max_rows) {
-        token = src / p.top_k;
-      } else if (p.errors != nullptr) {
-        atomicOr(p.errors, MOEFUSE_MOE_ERROR_SOURCE);
+      if constexpr (kPeerRows) {
+        if (src >= 0 && src / p.peer_rows < p.peers) {
+          peer = src / p.peer_rows;
+          token = src - peer * p.peer_rows;
+        } else if (p.errors != nullptr) {
+          atomicOr(p.errors, MOEFUSE_MOE_ERROR_SOURCE);
+        }
+      } else {
+        if (src >= 0 && src < p.max_rows) {
+          token = src / p.top_k;
+        } else if (p.errors != nullptr) {
+          atomicOr(p.errors, MOEFUSE_MOE_ERROR_SOURCE);
+        }
       }
     }
     const auto* x_chunks = reinterpret_cast<const Chunk*>(p.x);
@@ -230,14 +248,29 @@ struct Sm90GateUpFused {
     // k-block made the producers the bottleneck of this kernel (ncu, 2026-12-04: the
     // consumers waited on full stages for 23% of their samples while the producer warps
     // issued); the hoisted offsets (32-bit: the launcher refuses an x of 2^32 chunks or
-    // more) need kLoadRegisters = 56.
-    uint32_t row_off[8];
+    // more) need kLoadRegisters = 56. Peer rows live in other allocations (no common
+    // 32-bit base): their 8 rows are 64-bit pointers, resolved once per tile (the peer's
+    // base by an unrolled select, not a dynamically indexed parameter array).
     uint32_t live_rows = 0;
+    using RowRef = cute::conditional_t<kPeerRows, const Chunk*, uint32_t>;
+    RowRef row_ref[8];
+    // Peer rows: this thread's own row's address, then broadcast like the token.
+    uint64_t own_row = 0;
+    if constexpr (kPeerRows) {
+      const cutlass::bfloat16_t* base = p.peer_x[0];
+      CUTE_UNROLL
+      for (int q = 1; q < kMaxPeers; ++q) base = peer == q ? p.peer_x[q] : base;
+      own_row = reinterpret_cast<uint64_t>(reinterpret_cast<const Chunk*>(base) + int64_t(token) * row_chunks);
+    }
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) {
       const int sub = i * 4 + lane / 8;
-      const int64_t tok = __shfl_sync(0xffffffffu, token, sub);
-      row_off[i] = uint32_t(tok * row_chunks + c);
+      if constexpr (kPeerRows) {
+        row_ref[i] = reinterpret_cast<const Chunk*>(__shfl_sync(0xffffffffu, own_row, sub)) + c;
+      } else {
+        const int64_t tok = __shfl_sync(0xffffffffu, token, sub);
+        row_ref[i] = uint32_t(tok * row_chunks + c);
+      }
       live_rows |= uint32_t(sub < rows_left) << i;
     }
     for (int kb = 0; kb < k_tiles; ++kb) {
@@ -254,8 +287,15 @@ struct Sm90GateUpFused {
       for (int i = 0; i < 8; ++i) {
         const int r = warp * 32 + i * 4 + lane / 8;
         const bool live = (live_now >> i) & 1u;
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[live ? row_off[i] + uint32_t(kb * kChunks) : 0u],
-                                                     a[r * kChunks + (c ^ (r & 7))], live);
+        if constexpr (kPeerRows) {
+          // Every row_ref is a real row's address (tail rows: peer 0's row 0); a dead
+          // copy reads nothing (source size 0).
+          SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(*row_ref[i], a[r * kChunks + (c ^ (r & 7))], live);
+          row_ref[i] += kChunks;
+        } else {
+          SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(x_chunks[live ? row_ref[i] + uint32_t(kb * kChunks) : 0u],
+                                                       a[r * kChunks + (c ^ (r & 7))], live);
+        }
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       ++write;
