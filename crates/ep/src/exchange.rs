@@ -7,7 +7,6 @@ use crate::error::need;
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse::gpu::FUSED_GATE_UP_MIN_EXPERTS;
 use moefuse::gpu::{
     activation_forward, gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, route,
     ActivationDesc, DeviceErrors, GateUpInputs, GateUpRows, Mode, Rows,
@@ -123,7 +122,7 @@ impl ExchangeLayer {
         );
         let fused_ok = gate_up_fused_supported(stream)?;
         let exchange = EpConfig::new(config.experts, k, d, max_tokens);
-        let ep = match delivery.resolve(&config, mode, fused_ok, runtime.ranks())? {
+        let ep = match delivery.resolve(mode, fused_ok, runtime.ranks())? {
             // Auto falls back to copies where the peers are not load/store reachable: every
             // rank meets the same reachability (one NVLink domain or not), so all of them
             // fall back together. An explicit Pull fails instead.
@@ -481,10 +480,11 @@ impl ExchangeLayer {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RowDelivery {
-    /// [`RowDelivery::Pull`] where it applies and is expected to pay (an Inference layer
-    /// of a fine-grained MoE, at least [`FUSED_GATE_UP_MIN_EXPERTS`] experts, on a device
-    /// that runs the fused gate_up, 2 to [`MAX_PULL_RANKS`] ranks in one NVLink domain),
-    /// else [`RowDelivery::Copy`]. `MOEFUSE_EP_ROWS=copy|pull` overrides it (A/B benches).
+    /// [`RowDelivery::Copy`] for now: whether pulling pays is for the multi-GPU run to
+    /// measure (`bench_ep_layer` records both; pulling reads a token's row once per local
+    /// expert it picks, ~1.5x the NVLink bytes of a copy for Qwen3-30B-A3B at EP = 8, and
+    /// saves the staging write, the expand copy and a separate transfer phase).
+    /// `MOEFUSE_EP_ROWS=pull` makes `Auto` pull where it can (A/B benchmarks).
     #[default]
     Auto,
     /// Each token row is copied once to every rank that holds one of its experts, into
@@ -502,20 +502,10 @@ impl RowDelivery {
     /// The delivery a layer of `cfg` in `mode` uses (`fused_ok`: the device runs the fused
     /// gate_up): [`RowDelivery::Copy`] or [`RowDelivery::Pull`] (a Pull that cannot apply is
     /// an error).
-    pub(crate) fn resolve(
-        self,
-        cfg: &MoeConfig,
-        mode: Mode,
-        fused_ok: bool,
-        ranks: usize,
-    ) -> Result<Self, EpError> {
+    pub(crate) fn resolve(self, mode: Mode, fused_ok: bool, ranks: usize) -> Result<Self, EpError> {
         let possible = mode == Mode::Inference && fused_ok && (2..=MAX_PULL_RANKS).contains(&ranks);
         let asked = match (self, std::env::var("MOEFUSE_EP_ROWS").ok().as_deref()) {
-            (RowDelivery::Auto, Some("copy")) => RowDelivery::Copy,
             (RowDelivery::Auto, Some("pull")) if possible => RowDelivery::Pull,
-            (RowDelivery::Auto, _) if possible && cfg.experts >= FUSED_GATE_UP_MIN_EXPERTS => {
-                RowDelivery::Pull
-            }
             (RowDelivery::Auto, _) => RowDelivery::Copy,
             (explicit, _) => explicit,
         };
@@ -533,33 +523,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rows_are_pulled_only_by_inference_layers_in_one_nvlink_domain() {
-        if std::env::var_os("MOEFUSE_EP_ROWS").is_some() {
-            return; // the override decides Auto; the explicit cases below hold anyway
-        }
-        let qwen = MoeConfig::new(2048, 768, 128, 8);
-        let mixtral = MoeConfig::new(4096, 14336, 8, 2);
-        let pick = |d: RowDelivery, c: &MoeConfig, m: Mode, ok: bool, n: usize| {
-            d.resolve(c, m, ok, n).ok()
-        };
+    fn rows_are_pulled_only_when_asked_by_inference_layers_in_one_nvlink_domain() {
+        let pick = |d: RowDelivery, m: Mode, ok: bool, n: usize| d.resolve(m, ok, n).ok();
         let (auto, copy, pull) = (RowDelivery::Auto, RowDelivery::Copy, RowDelivery::Pull);
         let (inf, train) = (Mode::Inference, Mode::Training);
-        assert_eq!(pick(auto, &qwen, inf, true, 8), Some(pull));
-        assert_eq!(pick(auto, &qwen, inf, true, 2), Some(pull));
-        assert_eq!(pick(auto, &qwen, train, true, 8), Some(copy));
-        assert_eq!(pick(auto, &qwen, inf, false, 8), Some(copy));
-        assert_eq!(pick(auto, &qwen, inf, true, 16), Some(copy));
-        assert_eq!(pick(auto, &qwen, inf, true, 1), Some(copy));
-        assert_eq!(pick(auto, &mixtral, inf, true, 8), Some(copy));
-        assert_eq!(pick(pull, &mixtral, inf, true, 8), Some(pull));
-        assert_eq!(pick(copy, &qwen, inf, true, 8), Some(copy));
+        if std::env::var_os("MOEFUSE_EP_ROWS").is_none() {
+            assert_eq!(pick(auto, inf, true, 8), Some(copy));
+        }
+        assert_eq!(pick(auto, train, true, 8), Some(copy));
+        assert_eq!(pick(pull, inf, true, 8), Some(pull));
+        assert_eq!(pick(pull, inf, true, 2), Some(pull));
+        assert_eq!(pick(copy, inf, true, 8), Some(copy));
         for (m, ok, n) in [
             (train, true, 8),
             (inf, false, 8),
             (inf, true, 9),
             (inf, true, 1),
         ] {
-            assert!(pick(pull, &qwen, m, ok, n).is_none(), "{m:?} {ok} {n}");
+            assert!(pick(pull, m, ok, n).is_none(), "{m:?} {ok} {n}");
         }
     }
 }

@@ -86,9 +86,9 @@ impl EpMoeLayer {
     }
 
     /// [`EpMoeLayer::with_mode`] with the forward's row delivery chosen ([`RowDelivery`]):
-    /// `Auto` picks; an explicit `Pull` that cannot apply (a Training layer, a device
-    /// without the fused gate_up, more than 8 ranks, peers not load/store reachable) is an
-    /// error on every rank. At one rank nothing is exchanged, whatever `delivery` says.
+    /// `Auto` copies (see [`RowDelivery::Auto`]); an explicit `Pull` that cannot apply (a
+    /// Training layer, a device without the fused gate_up, more than 8 ranks, peers not
+    /// load/store reachable) is an error on every rank. At one rank nothing is exchanged, whatever `delivery` says.
     ///
     /// ```no_run
     /// # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>,
