@@ -20,6 +20,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/pipeline/pipeline.hpp"
+#include "moefuse/common/pipeline_drain.cuh"
 #include "moefuse/epilogue/masked_rows.cuh"
 #include "moefuse/sched/grouped_contiguous.cuh"
 
@@ -80,14 +81,6 @@ struct Sm90ContiguousGrouped {
 
   // Consumer perspective: waits for each of `k_tiles` stages to fill and releases it
   // unread (a warp group with no rows in the tile).
-  CUTE_DEVICE static void drain(MainloopPipeline& pipeline, PipelineState read, int k_tiles) {
-    for (; k_tiles > 0; --k_tiles) {
-      pipeline.consumer_wait(read);
-      pipeline.consumer_release(read);
-      ++read;
-    }
-  }
-
   CUTE_DEVICE void operator()(Params const& p, char* smem) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace cute;
@@ -184,7 +177,7 @@ struct Sm90ContiguousGrouped {
           // nothing to store, so it skips its WGMMAs and the other one runs at the full
           // tensor-core rate (ping-pong's observation), halving a small tile's time. It
           // still waits and releases every stage, in step, so the barrier phases stay exact.
-          drain(pipeline, read, k_tiles);
+          moefuse::drain_stages(pipeline, read, k_tiles);
           read.advance(k_tiles);
           continue;
         }

@@ -37,6 +37,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/pipeline/pipeline.hpp"
+#include "moefuse/common/pipeline_drain.cuh"
 #include "moefuse/common/group_layout.cuh"
 #include "moefuse/epilogue/masked_rows.cuh"
 
@@ -250,11 +251,8 @@ struct Sm90ContiguousWgrad {
         if (tile.m_block >= m_blocks) {
           // The pair's second CTA past the last m-block: no output; it releases every stage
           // its own and its peer's loads filled, in step.
-          for (int c = 0; c < k_tiles; ++c) {
-            pipeline.consumer_wait(read);
-            pipeline.consumer_release(read);
-            ++read;
-          }
+          moefuse::drain_stages(pipeline, read, k_tiles);
+          read.advance(k_tiles);
           continue;
         }
         if (k_tiles > 0) {

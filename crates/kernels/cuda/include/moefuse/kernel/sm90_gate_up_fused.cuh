@@ -52,6 +52,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/pipeline/pipeline.hpp"
+#include "moefuse/common/pipeline_drain.cuh"
 #include "moefuse/epilogue/activation_rows.cuh"
 #include "moefuse/moe_abi.h"
 #include "moefuse/sched/grouped_contiguous.cuh"
@@ -153,14 +154,6 @@ struct Sm90GateUpFused {
     } else {
       first = 2 * j0;
       second = 2 * j0 + 128;
-    }
-  }
-
-  CUTE_DEVICE static void drain(MainloopPipeline& pipeline, PipelineState read, int k_tiles) {
-    for (; k_tiles > 0; --k_tiles) {
-      pipeline.consumer_wait(read);
-      pipeline.consumer_release(read);
-      ++read;
     }
   }
 
@@ -365,7 +358,7 @@ struct Sm90GateUpFused {
         if (tile.rows <= wg_row0) {
           // A group's last tile with <= 64 rows: this warp group has no rows to store (see
           // kernel/sm90_contiguous_grouped.cuh); it releases every stage in step.
-          drain(pipeline, read, k_tiles);
+          moefuse::drain_stages(pipeline, read, k_tiles);
           read.advance(k_tiles);
           continue;
         }
