@@ -23,6 +23,15 @@
 // each row at its home through peer addresses (kernel/sm90_gate_up_fused.cuh, kPeerRows).
 // The reuse rule below covers x_home too: dispatch n+1 rewrites it only after every peer's
 // combine_send n, which follows that peer's gate_up n on its stream.
+//
+//   slots_signal    1 x 32      (pull) after the down GEMM wrote each expert output row into
+//                               its token's slot at home (recv_dst, filled by dispatch and
+//                               expand): raises comb_sig[rank] = epoch everywhere
+//   combine_slots   G           (pull) waits for every rank's slots_signal; out[t] = the
+//                               token's slots summed in slot order (fp32), as the
+//                               single-GPU combine. y_slots of call n+1 are written only
+//                               after the owners' expand n+1, which waits for this rank's
+//                               dispatch n+1, which follows its combine_slots n.
 //   combine_send    G           per staged row: sum_j w_j * y[row_j] (fp32) -> bf16 partial
 //                               into the source's comb_x (one PE: into out[t], and zero rows
 //                               for the tokens routed nowhere)
@@ -73,7 +82,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_EP_CHUNK;
 static_assert(kChunk == kWarps * 32, "count: one token per lane step, 32 tokens per warp");
-static_assert(sizeof(moefuse_ep_params) == 336 && offsetof(moefuse_ep_params, recv_x) == 216 &&
+static_assert(sizeof(moefuse_ep_params) == 352 && offsetof(moefuse_ep_params, recv_dst) == 344 && offsetof(moefuse_ep_params, recv_x) == 216 &&
                   offsetof(moefuse_ep_params, timeout_ns) == 264 && offsetof(moefuse_ep_params, hello) == 304 &&
                   offsetof(moefuse_ep_params, x_home) == 320,
               "moefuse_ep_params changed: update EpParams in crates/comm/src/ep/params.rs and its layout test");
@@ -442,7 +451,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
           p.recv_origin[3 * size_t(row) + 0] = p.rank;
           p.recv_origin[3 * size_t(row) + 1] = t;
           p.recv_origin[3 * size_t(row) + 2] = lane;
-          if (p.pull) p.recv_src[row] = p.rank * p.max_tokens + t;
+          if (p.pull) {
+            p.recv_src[row] = p.rank * p.max_tokens + t;
+            p.recv_dst[row] = reinterpret_cast<uint64_t>(p.y_slots + (size_t(t) * k + lane) * D);
+          }
         }
         if (lane <= k) p.stage_info[i * (k + 1) + lane] = info;
         if (lane < k) p.stage_w[i * k + lane] = w;
@@ -473,8 +485,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
 // ---- expand: grid G, block 256 --------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse_ep_params p) {
   __shared__ uint4* dst_rows[kWarps][kMaxTopK];
+  __shared__ uint16_t* slots_of[MOEFUSE_EP_MAX_RANKS];  // pull: each source's y_slots, as loaded here
   const uint64_t epoch = *p.epoch;
-  if (!wait_all(p, p.disp_sig, epoch, MOEFUSE_EP_OP_EXPAND)) return;
+  if (p.pull) {
+    for (int pe = threadIdx.x; pe < p.ranks; pe += blockDim.x) {
+      slots_of[pe] = static_cast<uint16_t*>(nvshmem_ptr(p.y_slots, pe));
+    }
+  }
+  if (!wait_all(p, p.disp_sig, epoch, MOEFUSE_EP_OP_EXPAND)) return;  // (its barrier publishes slots_of)
   const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int staged = p.src_base[p.ranks];
   const int own0 = p.src_base[p.rank], own1 = p.src_base[p.rank + 1];  // dispatch expanded these
@@ -497,7 +515,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
       p.recv_origin[3 * size_t(row) + 0] = s;
       p.recv_origin[3 * size_t(row) + 1] = t;
       p.recv_origin[3 * size_t(row) + 2] = slot;
-      if (p.pull) p.recv_src[row] = s * p.max_tokens + t;
+      if (p.pull) {
+        p.recv_src[row] = s * p.max_tokens + t;
+        p.recv_dst[row] = reinterpret_cast<uint64_t>(slots_of[s] + (size_t(t) * k + slot) * D);
+      }
     }
     if (p.pull) continue;  // the receivers read the row at its home (x_home)
     __syncwarp();
@@ -580,6 +601,44 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_red
     }
     __syncwarp();
     warp_weighted_sum(parts[warp], nullptr, n_parts, reinterpret_cast<uint4*>(p.out + size_t(t) * D), n, lane);
+    __syncwarp();
+  }
+}
+
+// ---- slots_signal: grid 1, block 32 (pull) ----------------------------------------------
+// After the down GEMM stored this rank's expert outputs into their homes' y_slots (stream
+// order: that kernel has completed): fence, then raise comb_sig[rank] = epoch on every PE.
+extern "C" __global__ void __launch_bounds__(32) moefuse_ep_slots_signal(moefuse_ep_params p) {
+  const uint64_t epoch = *p.epoch;
+  if (skip_send(p, epoch)) return;
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (int pe = 0; pe < p.ranks; ++pe) nvshmemx_signal_op(p.comb_sig + p.rank, epoch, NVSHMEM_SIGNAL_SET, pe);
+}
+
+// ---- combine_slots: grid G, block 256 (pull) --------------------------------------------
+// Waits for every rank's slots_signal, then per token: out[t] = sum over its valid slots j,
+// in slot order, of w[t, j] * y_slots[t * top_k + j] (fp32, bf16 out; zeros when no slot is
+// valid): the single-GPU layer's combine, over rows that the owners' down GEMMs wrote here.
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_slots(moefuse_ep_params p) {
+  __shared__ const uint4* rows[kWarps][kMaxTopK];
+  __shared__ float ws[kWarps][kMaxTopK];
+  const uint64_t epoch = *p.epoch;
+  if (!wait_all(p, p.comb_sig, epoch, MOEFUSE_EP_OP_COMBINE)) return;
+  const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + warp; t < p.tokens; t += warps) {
+    const int e = lane < k ? p.topk_ids[size_t(t) * k + lane] : -1;
+    const bool valid = e >= 0 && e < p.experts;
+    const unsigned mask = __ballot_sync(~0u, valid);
+    if (valid) {
+      const int at = __popc(mask & ((1u << lane) - 1));
+      rows[warp][at] = reinterpret_cast<const uint4*>(p.y_slots + (size_t(t) * k + lane) * D);
+      ws[warp][at] = p.topk_weights[size_t(t) * k + lane];
+    }
+    __syncwarp();
+    warp_weighted_sum(rows[warp], ws[warp], __popc(mask), reinterpret_cast<uint4*>(p.out + size_t(t) * D), D / 8,
+                      lane);
     __syncwarp();
   }
 }

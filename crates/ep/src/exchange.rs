@@ -14,6 +14,7 @@ use moefuse::gpu::{
 use moefuse::MoeConfig;
 use moefuse_comm::{CommError, EpConfig, ExpertParallel, Runtime, MAX_PULL_RANKS};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
+use moefuse_kernels::{DownScatter, Kernels};
 use std::sync::Arc;
 
 /// The weights of this rank's experts (experts `rank·E/N .. (rank+1)·E/N`), borrowed from
@@ -70,7 +71,9 @@ pub(crate) struct ExchangeLayer {
     fused_ok: bool,
     /// The forward's exchange reads rows in place ([`RowDelivery::Pull`]).
     pull: bool,
-    /// The fused gate_up's error word (it reads no `source_of` here, so never raised).
+    /// The launch layer (the pulled forward's scattered down GEMM).
+    kernels: Kernels,
+    /// The fused gate_up's error word (raised by a bad received-row table entry).
     errors: DeviceErrors,
     /// `Some` in Training: the backward's exchanges, plans, saved rows and scratch.
     pub(crate) train: Option<crate::backward::Training>,
@@ -170,7 +173,8 @@ impl ExchangeLayer {
             // Pulled rows always take the fused gate_up: h_pre only for a backward.
             h_pre: stream.alloc_zeros(if pull && train.is_none() { 1 } else { rows * w })?,
             h: stream.alloc_zeros(rows * i)?,
-            y_e: stream.alloc_zeros(rows * d)?,
+            y_e: stream.alloc_zeros(if pull && train.is_none() { 1 } else { rows * d })?,
+            kernels: Kernels::new(stream.context())?,
             fused_ok,
             pull,
             errors: DeviceErrors::new(stream)?,
@@ -388,7 +392,9 @@ impl ExchangeLayer {
 
     /// The forward with rows pulled (Inference, one NVLink domain): the dispatch moves only
     /// routing, the fused gate_up's producer reads every received row at its home rank
-    /// (peer addresses), then the down GEMM and combine as in [`Self::forward_copied`].
+    /// (peer addresses), the down GEMM's epilogue writes every output row into its token's
+    /// slot at home, and each rank sums its tokens' slots in slot order: no staged, received
+    /// or expert-output row buffer, and the single-GPU layer's combine arithmetic.
     fn forward_pulled<X, Y>(
         &mut self,
         weights: &LocalWeights<'_>,
@@ -418,16 +424,22 @@ impl ExchangeLayer {
             w: &weights.gate_up,
         };
         gate_up_fused(&self.act, s, inputs, &mut self.h, None, &mut self.errors)?;
-        self.gemm.run(
-            &self.down,
-            s,
-            d.offsets(),
-            &self.h,
-            &weights.down,
-            &mut self.y_e,
-            &mut self.gemm_ws,
-        )?;
-        Ok(d.combine(&self.y_e, y)?)
+        // The down GEMM stores each row's output straight into its token's slot at home;
+        // combine_slots then sums every token's slots there, as the single-GPU combine.
+        let dst = d.row_destinations();
+        let down = DownScatter {
+            rows: recv,
+            experts: local,
+            hidden: cfg.hidden,
+            intermediate: cfg.intermediate,
+            offsets: d.offsets(),
+            h: &self.h,
+            w: &weights.down,
+            dst: &dst,
+        };
+        self.kernels.launch(s, down)?;
+        drop(dst);
+        Ok(d.combine_slots(ids, wts, y)?)
     }
 
     /// Every host-knowable check of a forward.

@@ -242,6 +242,7 @@ pub(crate) enum Call {
     ActivationBackwardRouted(ffi::MoefuseActivationRoutedArgs),
     Permute(ffi::MoefusePermuteArgs),
     GateUpFused(ffi::MoefuseGateUpArgs),
+    DownScatter(ffi::MoefuseDownScatterArgs),
     DecodeForward(ffi::MoefuseDecodeArgs),
     ScatterColumns(ffi::MoefuseScatterColumnsArgs),
     ColumnsToF32(ffi::MoefuseColumnsToF32Args),
@@ -298,6 +299,8 @@ impl Call {
                 Call::Permute(a) => ffi::moefuse_moe_permute(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::GateUpFused(a) => ffi::moefuse_moe_gate_up_fused(a, stream),
+                #[cfg(moefuse_moe_linked)]
+                Call::DownScatter(a) => ffi::moefuse_moe_down_scatter(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::DecodeForward(a) => ffi::moefuse_moe_decode_forward(a, stream),
                 #[cfg(moefuse_moe_linked)]

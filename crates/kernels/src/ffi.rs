@@ -392,6 +392,32 @@ pub struct MoefuseGateUpArgs {
     pub peer_x: [*const c_void; MOEFUSE_GATE_UP_MAX_PEERS],
 }
 
+/// `moefuse_down_scatter_args` (moe_abi.h): the down GEMM storing each row at an address.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseDownScatterArgs {
+    /// Expert-major rows (h's rows, row_dst's entries).
+    pub rows: i32,
+    /// Experts (groups).
+    pub experts: i32,
+    /// `D` (N, multiple of 8).
+    pub hidden: i32,
+    /// `I` (K, multiple of 8).
+    pub intermediate: i32,
+    /// 0 or the contiguous grouped GEMM's tile-order fields.
+    pub tile_order: i32,
+    /// Unused (0).
+    pub reserved: i32,
+    /// `[experts]` prefix-sum ends.
+    pub offsets: *const i32,
+    /// `[rows, intermediate]` bf16.
+    pub h: *const c_void,
+    /// `[experts, hidden, intermediate]` bf16.
+    pub w: *const c_void,
+    /// `[rows]` destination addresses of `hidden` bf16 each.
+    pub row_dst: *const u64,
+}
+
 /// `MOEFUSE_GATE_UP_MAX_PEERS`: most ranks a fused gate_up reads rows from.
 pub const MOEFUSE_GATE_UP_MAX_PEERS: usize = 8;
 
@@ -542,6 +568,11 @@ extern "C" {
         args: *const MoefuseGateUpArgs,
         stream: *mut c_void,
     ) -> MoefuseStatus;
+    /// `moefuse_moe_down_scatter(args, stream)`
+    pub fn moefuse_moe_down_scatter(
+        args: *const MoefuseDownScatterArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
     /// `moefuse_moe_permute(args, stream)`
     pub fn moefuse_moe_permute(
         args: *const MoefusePermuteArgs,
@@ -614,6 +645,9 @@ mod tests {
         assert_eq!(offset_of!(MoefuseDecodeArgs, topk_ids), 40);
         assert_eq!(offset_of!(MoefuseDecodeArgs, errors), 128);
         assert_eq!(size_of::<MoefuseGateUpArgs>(), 168);
+        assert_eq!(size_of::<MoefuseDownScatterArgs>(), 56);
+        assert_eq!(offset_of!(MoefuseDownScatterArgs, offsets), 24);
+        assert_eq!(offset_of!(MoefuseDownScatterArgs, row_dst), 48);
         assert_eq!(offset_of!(MoefuseGateUpArgs, peer_x), 104);
         assert_eq!(offset_of!(MoefuseGateUpArgs, alpha), 32);
         assert_eq!(offset_of!(MoefuseGateUpArgs, offsets), 40);

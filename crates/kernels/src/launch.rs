@@ -30,7 +30,8 @@
 use crate::bind::Binder;
 use crate::moe_ops::{
     Activation, ActivationBackwardRouted, ColumnsToF32, CombineBackward, CombineForward,
-    DecodeForward, GateUpFused, GatherRows, Permute, RouterBackward, RouterForward, ScatterColumns,
+    DecodeForward, DownScatter, GateUpFused, GatherRows, Permute, RouterBackward, RouterForward,
+    ScatterColumns,
 };
 use crate::ops::{Gemm, GroupedGemm};
 use crate::{KernelError, Kernels};
@@ -64,6 +65,8 @@ pub enum Launch<'a> {
     Permute(Permute<'a>),
     /// `moefuse_moe_gate_up_fused`.
     GateUpFused(GateUpFused<'a>),
+    /// `moefuse_moe_down_scatter`.
+    DownScatter(DownScatter<'a>),
     /// `moefuse_moe_decode_forward`.
     DecodeForward(DecodeForward<'a>),
     /// `moefuse_moe_scatter_columns`.
@@ -97,6 +100,7 @@ launch_from!(
     Activation(Activation),
     Permute(Permute),
     GateUpFused(GateUpFused),
+    DownScatter(DownScatter),
     DecodeForward(DecodeForward),
     ScatterColumns(ScatterColumns),
     ColumnsToF32(ColumnsToF32),
@@ -118,6 +122,7 @@ impl Launch<'_> {
             Launch::Activation(_) => "moefuse_moe_activation_fwd".into(),
             Launch::Permute(_) => "moefuse_moe_permute".into(),
             Launch::GateUpFused(_) => "moefuse_moe_gate_up_fused".into(),
+            Launch::DownScatter(_) => "moefuse_moe_down_scatter".into(),
             Launch::DecodeForward(_) => "moefuse_moe_decode_forward".into(),
             Launch::ScatterColumns(_) => "moefuse_moe_scatter_columns".into(),
             Launch::ColumnsToF32(_) => "moefuse_moe_columns_to_f32".into(),
@@ -166,6 +171,7 @@ impl Kernels {
             Launch::Activation(a) => a.bind(&mut binder)?,
             Launch::Permute(p) => p.bind(&mut binder)?,
             Launch::GateUpFused(g) => g.bind(&mut binder)?,
+            Launch::DownScatter(d) => d.bind(&mut binder)?,
             Launch::DecodeForward(d) => d.bind(&mut binder)?,
             Launch::ScatterColumns(c) => c.bind(&mut binder)?,
             Launch::ColumnsToF32(c) => c.bind(&mut binder)?,

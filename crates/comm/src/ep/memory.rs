@@ -67,7 +67,7 @@ impl Symmetric {
             + bytes::<u16>(self.stage_x.len())
             + bytes::<i32>(self.stage_info.len())
             + bytes::<f32>(self.stage_w.len())
-            + bytes::<u16>(self.x_home.len())
+            + bytes::<u16>(self.x_home.len() + self.y_slots.len())
             + bytes::<u64>(self.disp_sig.len())
             + bytes::<u16>(self.comb_x.len())
             + bytes::<u64>(self.comb_sig.len())
@@ -89,7 +89,7 @@ impl Local {
             + self.recv_origin.len()
             + self.recv_src.len();
         bytes::<i32>(i32s)
-            + bytes::<u64>(self.epoch.len() + self.fault.len())
+            + bytes::<u64>(self.epoch.len() + self.fault.len() + self.recv_dst.len())
             + bytes::<u32>(self.done.len() + self.status.len())
             + bytes::<u16>(self.recv_x.len())
             + bytes::<f32>(self.recv_w.len())

@@ -188,6 +188,8 @@ struct Symmetric {
     stage_w: SymmetricBuffer<f32>,
     /// `[max_tokens, hidden]` with [`EpConfig::pull_rows`] (one element otherwise).
     x_home: SymmetricBuffer<u16>,
+    /// `[max_tokens * top_k, hidden]` with [`EpConfig::pull_rows`]: each token's slots.
+    y_slots: SymmetricBuffer<u16>,
     disp_sig: SymmetricBuffer<u64>,
     comb_x: SymmetricBuffer<u16>,
     comb_sig: SymmetricBuffer<u64>,
@@ -213,6 +215,8 @@ struct Local {
     recv_origin: CudaSlice<i32>,
     /// `source rank * max_tokens + token` per received row ([`EpConfig::pull_rows`]).
     recv_src: CudaSlice<i32>,
+    /// The address of each received row's slot at its home ([`EpConfig::pull_rows`]).
+    recv_dst: CudaSlice<u64>,
 }
 
 struct Kernels {
@@ -222,6 +226,8 @@ struct Kernels {
     expand: Kernel,
     combine_send: Kernel,
     combine_reduce: Kernel,
+    slots_signal: Kernel,
+    combine_slots: Kernel,
     abort: Kernel,
 }
 

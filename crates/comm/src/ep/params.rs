@@ -82,6 +82,8 @@ pub(crate) struct EpParams {
     pub pull: i32,
     pub x_home: u64,
     pub recv_src: u64,
+    pub y_slots: u64,
+    pub recv_dst: u64,
 }
 
 #[cfg(test)]
@@ -91,7 +93,7 @@ mod tests {
 
     /// Offsets as the C compiler lays out `moefuse_ep_params` on LP64 (8 ints, an int64,
     /// 30 pointers, then the guard block: 3 u64, 3 pointers, 2 ints; then the pull block's
-    /// two pointers).
+    /// four pointers).
     #[test]
     fn layout_matches_the_c_struct() {
         assert_eq!(offset_of!(EpParams, recv_rows_cap), 32);
@@ -107,6 +109,8 @@ mod tests {
         assert_eq!(offset_of!(EpParams, pull), 316);
         assert_eq!(offset_of!(EpParams, x_home), 320);
         assert_eq!(offset_of!(EpParams, recv_src), 328);
-        assert_eq!(size_of::<EpParams>(), 336);
+        assert_eq!(offset_of!(EpParams, y_slots), 336);
+        assert_eq!(offset_of!(EpParams, recv_dst), 344);
+        assert_eq!(size_of::<EpParams>(), 352);
     }
 }

@@ -68,6 +68,8 @@ impl ExpertParallel {
             expand: module.kernel("moefuse_ep_expand")?,
             combine_send: module.kernel("moefuse_ep_combine_send")?,
             combine_reduce: module.kernel("moefuse_ep_combine_reduce")?,
+            slots_signal: module.kernel("moefuse_ep_slots_signal")?,
+            combine_slots: module.kernel("moefuse_ep_combine_slots")?,
             abort: module.kernel("moefuse_ep_abort")?,
         };
         let s = stream.as_ref();
@@ -135,8 +137,10 @@ impl ExpertParallel {
             stage_info: runtime.alloc(staged * (k + 1))?,
             stage_w: runtime.alloc(staged * k)?,
             x_home: runtime.alloc(if pull { t * d } else { 1 })?,
+            y_slots: runtime.alloc(if pull { t * k * d } else { 1 })?,
             disp_sig: runtime.alloc(ranks)?,
-            comb_x: runtime.alloc(comb_rows * d)?,
+            // Pulled rows combine through y_slots instead of per-destination partials.
+            comb_x: runtime.alloc(if pull { 1 } else { comb_rows * d })?,
             comb_sig: runtime.alloc(ranks)?,
             hello,
         };
@@ -181,6 +185,7 @@ impl ExpertParallel {
             recv_w: zeros(stream, rows)?,
             recv_origin: zeros(stream, rows * 3)?,
             recv_src: zeros(stream, if pull { rows } else { 1 })?,
+            recv_dst: zeros(stream, if pull { rows } else { 1 })?,
         };
         let fault_host = HostWords::new(runtime, FAULT_WORDS)?;
         runtime.barrier_on_stream(s);
@@ -227,6 +232,8 @@ impl ExpertParallel {
             pull: pull as i32,
             x_home: sym.x_home.device_ptr(),
             recv_src: ptr(&local.recv_src, s),
+            y_slots: sym.y_slots.device_ptr(),
+            recv_dst: ptr(&local.recv_dst, s),
             ..EpParams::default()
         };
         // Two 256-thread blocks per SM: 16 warps, each with 4 row loads per lane in flight.

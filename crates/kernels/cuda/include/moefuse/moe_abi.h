@@ -164,6 +164,33 @@ typedef struct moefuse_gate_up_args {
 moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* args, void* stream);
 
 /*
+ * Scattered down GEMM (sm_90a; moe/down_scatter.cu: kernel/sm90_contiguous_grouped.cuh with
+ * the RowsScattered store): for every expert-major row r of expert e (rows
+ * offsets[e-1]..offsets[e]-1, offsets read on the device and clamped to rows),
+ *   out_r = h[r, :] · W_e^T       (W_e = w[e] as [hidden, intermediate])
+ * stored as hidden bf16 values at the address row_dst[r], not into a matrix: the
+ * expert-parallel layer's down GEMM writes each expert output row straight into its
+ * token's slot on the token's home rank (row_dst holds this device's or peers' addresses,
+ * 16-byte aligned, written by the dispatch). Rows past offsets[experts-1] are not stored.
+ * Needs hidden % 8 == 0, intermediate % 8 == 0, 16-byte aligned h and w, 1 <= experts <=
+ * 512. Another device than compute capability 9.0 returns MOEFUSE_STATUS_ARCH_MISMATCH.
+ */
+typedef struct moefuse_down_scatter_args {
+  int32_t rows;              /* expert-major rows: h's rows and row_dst's entries */
+  int32_t experts;
+  int32_t hidden;            /* N */
+  int32_t intermediate;      /* K */
+  int32_t tile_order;        /* 0: default; else as moefuse_grouped_gemm_args.tile_order (contiguous fields) */
+  int32_t reserved;
+  const int32_t* offsets;    /* [experts] prefix-sum ends */
+  const uint16_t* h;         /* [rows, intermediate] bf16 */
+  const uint16_t* w;         /* [experts, hidden, intermediate] bf16 */
+  const uint64_t* row_dst;   /* [rows] addresses of hidden bf16 each */
+} moefuse_down_scatter_args;
+
+moefuse_status moefuse_moe_down_scatter(const moefuse_down_scatter_args* args, void* stream);
+
+/*
  * Row kernels for carrying one fp32 value per routed (token, slot) through an exchange
  * that sums rows (moe/rows.cu):
  * scatter_columns: for r < min(*count, rows) (all rows when count is NULL):

@@ -103,6 +103,11 @@ typedef struct moefuse_ep_params {
   int32_t pull;
   uint16_t* x_home;  /* sym [max_tokens, hidden] (pull) */
   int32_t* recv_src; /* [recv_rows_cap] (pull) source rank * max_tokens + token of each row */
+  /* Slot combine (pull): each expert output row goes straight into its token's slot on the
+     token's home rank (the down GEMM's scattered store, through recv_dst); the home rank
+     sums its tokens' slots in slot order. */
+  uint16_t* y_slots;  /* sym [max_tokens * top_k, hidden] (pull): row t * top_k + j */
+  uint64_t* recv_dst; /* [recv_rows_cap] (pull) address of each received row's slot at its home */
 } moefuse_ep_params;
 
 #ifdef __cplusplus

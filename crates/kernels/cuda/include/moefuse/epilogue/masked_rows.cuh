@@ -17,6 +17,24 @@
 
 namespace moefuse::epilogue {
 
+// Where row `row` of D (the contiguous grouped layout's row) is stored.
+// In order: D itself, row * ldd.
+struct RowsInOrder {
+  CUTE_DEVICE cutlass::bfloat16_t* operator()(cutlass::bfloat16_t* d, int64_t ldd, int row) const {
+    return d + int64_t(row) * ldd;
+  }
+};
+
+// Scattered: row r at the address row_ptr[r] (16-byte aligned; this device's memory or a
+// peer's over NVLink), whatever D and ldd say: the expert-parallel down GEMM writes each
+// expert output row straight into its token's slot on the token's home rank.
+struct RowsScattered {
+  const uint64_t* row_ptr;
+  CUTE_DEVICE cutlass::bfloat16_t* operator()(cutlass::bfloat16_t*, int64_t, int row) const {
+    return reinterpret_cast<cutlass::bfloat16_t*>(__ldg(row_ptr + row));
+  }
+};
+
 // Shared memory of one consumer warp group: a 64 x 64 bf16 slab, rows padded to 72.
 struct MaskedRowsStorage {
   static constexpr int kRows = 64;
@@ -27,10 +45,12 @@ struct MaskedRowsStorage {
 
 // Consumer perspective (one warp group, 128 threads, named barrier `barrier_id`): stores the
 // warp group's rows [wg_row0, wg_row0 + 64) of the tile. Waits on nothing else.
-template <class TileShape, class Accum, class TiledMma>
+// `row_at` maps a row to its storage (RowsInOrder: D's row; RowsScattered: a table's address).
+template <class TileShape, class Accum, class TiledMma, class RowAt = RowsInOrder>
 CUTE_DEVICE void store_masked_rows(Accum const& acc, TiledMma const& tiled_mma, int mma_thread_idx, int wg_row0,
                                    MaskedRowsStorage& storage, uint32_t barrier_id, cutlass::bfloat16_t* d,
-                                   int64_t ldd, int row0, int rows, int col0, int cols, float alpha, float beta) {
+                                   int64_t ldd, int row0, int rows, int col0, int cols, float alpha, float beta,
+                                   RowAt row_at = {}) {
   using namespace cute;
   using S = MaskedRowsStorage;
   constexpr int kM = size<0>(TileShape{});
@@ -71,7 +91,7 @@ CUTE_DEVICE void store_masked_rows(Accum const& acc, TiledMma const& tiled_mma, 
       const int r = sweep * 16 + t / 8;
       if (r < wg_rows && pass * S::kCols + seg * 8 < cols) {
         uint4 v = *reinterpret_cast<const uint4*>(&slab[r * S::kPitch + seg * 8]);
-        uint4* dst = reinterpret_cast<uint4*>(d + int64_t(row0 + wg_row0 + r) * ldd + gcol);
+        uint4* dst = reinterpret_cast<uint4*>(row_at(d, ldd, row0 + wg_row0 + r) + gcol);
         if (beta != 0.f) {
           const uint4 old = *dst;
           const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&old);

@@ -26,7 +26,9 @@
 
 namespace moefuse::kernel {
 
-template <class Mainloop_, int kMaxGroups_>
+// RowAt_: where the epilogue stores each row (epilogue::RowsInOrder: D; RowsScattered: a
+// per-row address table, the expert-parallel down GEMM's combine into the home ranks).
+template <class Mainloop_, int kMaxGroups_, class RowAt_ = epilogue::RowsInOrder>
 struct Sm90ContiguousGrouped {
   using Mainloop = Mainloop_;
   using TileShape = typename Mainloop::TileShape;
@@ -75,6 +77,7 @@ struct Sm90ContiguousGrouped {
     int n_fast;    // 1: a band's n-blocks first
     int interleave;  // 1: the tile list's front and back alternate
     int prefetch;  // k-blocks of the next tile's A and W_e tiles prefetched into L2
+    RowAt_ row_at;  // where each row of D is stored (empty for RowsInOrder)
   };
 
   enum class Role { Producer, Idle, Consumer };
@@ -185,7 +188,7 @@ struct Sm90ContiguousGrouped {
         const int col0 = tile.n_block * kTileN;
         epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue,
                                                kEpilogueBarrier + wg_row0 / 64, p.d, int64_t(p.n), tile.row0,
-                                               tile.rows, col0, min(kTileN, p.n - col0), p.alpha, p.beta);
+                                               tile.rows, col0, min(kTileN, p.n - col0), p.alpha, p.beta, p.row_at);
       }
     }
 #else

@@ -89,8 +89,11 @@ struct ContiguousGroupedLauncher {
     return 256;
   }
 
-  // TMA maps: A as [total_rows, K, 1] and W as [N, K, E] (strides per the B layout).
-  static Params params(const moefuse_grouped_gemm_args& p) {
+  // TMA maps: A as [total_rows, K, 1] and W as [N, K, E] (strides per the B layout). P: the
+  // Params of this kernel or of its twin with another row store (the same fields, then its
+  // row_at, left for the caller).
+  template <class P = Params>
+  static P params(const moefuse_grouped_gemm_args& p) {
     using namespace cute;
     using StrideA = typename Mainloop::StrideA;
     using StrideB = typename Mainloop::StrideB;
@@ -107,19 +110,20 @@ struct ContiguousGroupedLauncher {
     pa.tma_load_b = pb.tma_load_b;
     const int band = (p.tile_order >> 8) & 0xff;
     const int prefetch = (p.tile_order >> 16) & 0xff;
-    Params out{pa,
-               p.offsets,
-               static_cast<cutlass::bfloat16_t*>(p.d),
-               p.num_groups,
-               p.total_rows,
-               p.n,
-               p.k,
-               p.alpha,
-               p.beta,
-               band > 0 ? band : kDefaultBand,
-               (p.tile_order & 3) == 1 ? 0 : 1,
-               (p.tile_order >> 24) & 1,
-               prefetch};
+    P out{};
+    out.mainloop = pa;
+    out.offsets = p.offsets;
+    out.d = static_cast<cutlass::bfloat16_t*>(p.d);
+    out.groups = p.num_groups;
+    out.total_rows = p.total_rows;
+    out.n = p.n;
+    out.k = p.k;
+    out.alpha = p.alpha;
+    out.beta = p.beta;
+    out.band = band > 0 ? band : kDefaultBand;
+    out.n_fast = (p.tile_order & 3) == 1 ? 0 : 1;
+    out.interleave = (p.tile_order >> 24) & 1;
+    out.prefetch = prefetch;
     return out;
   }
 
