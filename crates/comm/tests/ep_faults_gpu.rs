@@ -7,8 +7,9 @@
 //! GPU (this binary relaunched through `moefuse_comm::launch`; each child sees
 //! `MOEFUSE_RANK` and runs the scenario named by `MOEFUSE_TEST_SCENARIO`): a local error
 //! inside dispatch on rank 1, a peer that never calls, configurations that differ, a
-//! `Dispatch` dropped without combine, and a short `out` in combine. Each scenario ends
-//! with a new `ExpertParallel` on the same runtime and a checked round trip.
+//! `Dispatch` dropped without combine, and a short `out` in combine (also in the pulled
+//! exchange's slot combine). Each scenario ends with a new `ExpertParallel` on the same
+//! runtime and a checked round trip.
 //!
 //! ```sh
 //! cargo test -p moefuse-comm --test ep_faults_gpu             # SKIPPED without a GPU
@@ -451,6 +452,46 @@ fn bad_combine(rank: &Rank, short_out: bool) -> Result<(), String> {
     rank.next_layer_works(old)
 }
 
+/// The pulled exchange (`EpConfig::pull_rows`): rank 1 abandons the slot combine (an `out`
+/// too short) after a dispatch that moved only routing: rank 0's combine_slots, waiting for
+/// rank 1's signal, ends with PeerAborted within the deadline instead of a hang, and both
+/// go on with a new (copying) instance.
+fn short_out_in_pulled_combine(rank: &Rank) -> Result<(), String> {
+    let timeout = moefuse_testkit::scaled_secs(5);
+    let mut ep = rank.ep(cfg(timeout).pulled())?;
+    let input = inputs(&rank.stream, 16 + rank.me as u64, TOKENS)?;
+    let t0 = Instant::now();
+    let d = ep
+        .dispatch_pull(&input.x, &input.ids, &input.ws, TOKENS)
+        .map_err(e)?;
+    // No down GEMM here: the slots hold whatever they held, and the check is the protocol.
+    if rank.me == 1 {
+        let mut out = rank.stream.alloc_zeros::<bf16>(HIDDEN).map_err(e)?;
+        match d.combine_slots(&input.ids, &input.ws, &mut out) {
+            Err(CommError::BufferTooSmall { what: "out", .. }) => {}
+            other => return Err(format!("rank 1: short out: {other:?}")),
+        }
+        match ep.synchronize() {
+            Err(CommError::Poisoned { .. }) => {}
+            other => return Err(format!("rank 1 after abandoning combine_slots: {other:?}")),
+        }
+    } else {
+        let mut out = rank
+            .stream
+            .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+            .map_err(e)?;
+        d.combine_slots(&input.ids, &input.ws, &mut out)
+            .map_err(e)?;
+        println!(
+            "rank 0 (pulled): {}",
+            peer_failure(ep.synchronize(), 1, t0, timeout)?
+        );
+    }
+    let old = ep.epoch().map_err(e)?;
+    drop(ep);
+    rank.next_layer_works(old)
+}
+
 fn rank_main(scenario: &str) -> Result<(), String> {
     let rank = Rank::join()?;
     match scenario {
@@ -459,6 +500,7 @@ fn rank_main(scenario: &str) -> Result<(), String> {
         "config_mismatch" => config_mismatch(&rank),
         "dispatch_dropped_without_combine" => bad_combine(&rank, false),
         "short_out_in_combine" => bad_combine(&rank, true),
+        "short_out_in_pulled_combine" => short_out_in_pulled_combine(&rank),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -493,6 +535,7 @@ fn main() {
         "config_mismatch",
         "dispatch_dropped_without_combine",
         "short_out_in_combine",
+        "short_out_in_pulled_combine",
     ] {
         suite = suite.test(&format!("{scenario}_2_pes_one_gpu"), move |_| {
             two_pes(scenario)
