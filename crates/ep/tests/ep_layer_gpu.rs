@@ -11,7 +11,7 @@
 
 #![forbid(unsafe_code)]
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::Mode;
 use moefuse::model::MoeWeights;
@@ -280,8 +280,8 @@ fn check_pulled(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Resul
     ids_host.resize(rows * k, 0);
     let mut wts_host = p.topk_w[first * k..(first + t) * k].to_vec();
     wts_host.resize(rows * k, 0.0);
-    let ids = stream.clone_htod(&ids_host).map_err(e)?;
-    let wts = stream.clone_htod(&wts_host).map_err(e)?;
+    let mut ids = stream.clone_htod(&ids_host).map_err(e)?;
+    let mut wts = stream.clone_htod(&wts_host).map_err(e)?;
     let weights = LocalWeights {
         gate_up: gate_up.as_view(),
         down: down.as_view(),
@@ -325,11 +325,87 @@ fn check_pulled(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Resul
         let what = format!("rank {rank} of {ranks}, seed {seed}: pulled against copied y");
         check_close(&outputs[0], &outputs[2], 2e-2, &what)?;
     }
+    replay_pulled(&mut pulled, &weights, t, seed, (&mut ids, &mut wts), &cfg)?;
     let same = outputs[0].len() - differing(&outputs[0], &outputs[2]);
     println!(
         "rank {rank} of {ranks}: pulled rows ok, deterministic ({t} tokens; {same} of {} values equal to the copied path's bits), memory {mp} vs {mc}",
         outputs[0].len()
     );
+    Ok(())
+}
+
+/// The pulled forward captured once in a CUDA graph (every rank its own), then replayed
+/// with new tokens and routing written into the captured buffers: each replay equals an
+/// eager forward on the same inputs bit for bit. Replays and eager calls are collective:
+/// every rank runs the same sequence.
+fn replay_pulled(
+    layer: &mut EpMoeLayer,
+    weights: &LocalWeights<'_>,
+    t: usize,
+    seed: u64,
+    (ids, wts): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    cfg: &MoeConfig,
+) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let stream = layer.stream().clone();
+    let (d, k, rows) = (cfg.hidden, cfg.top_k, t.max(1));
+    let mut rng = Rng::new(seed ^ 0x6a);
+    let mut x = stream.clone_htod(&rng.bf16_vec(rows * d)).map_err(e)?;
+    let mut y = stream.clone_htod(&vec![POISON_BF16; rows * d]).map_err(e)?;
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e)?;
+    let routing = EpRouting::External {
+        topk_ids: &*ids,
+        topk_weights: &*wts,
+    };
+    let captured = layer.forward(weights, &x, t, routing, &mut y);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+    captured.map_err(|x| format!("pulled forward under capture: {x}"))?;
+    let graph = graph.ok_or("capture produced no graph")?;
+    for replay in 0..3 {
+        let what = format!("graph replay {replay}, seed {seed}");
+        let mut new_ids = Vec::with_capacity(rows * k);
+        let mut new_w = Vec::with_capacity(rows * k);
+        for _ in 0..rows {
+            new_ids.extend(rng.distinct(cfg.experts, k));
+            new_w.extend((0..k).map(|_| 0.1 + rng.uniform().abs()));
+        }
+        stream.memcpy_htod(&new_ids, ids).map_err(e)?;
+        stream.memcpy_htod(&new_w, wts).map_err(e)?;
+        stream
+            .memcpy_htod(&rng.bf16_vec(rows * d), &mut x)
+            .map_err(e)?;
+        stream
+            .memcpy_htod(&vec![POISON_BF16; rows * d], &mut y)
+            .map_err(e)?;
+        graph.launch().map_err(|x| format!("{what}: {x}"))?;
+        let replayed = stream.clone_dtoh(&y).map_err(e)?;
+        stream
+            .memcpy_htod(&vec![POISON_BF16; rows * d], &mut y)
+            .map_err(e)?;
+        let routing = EpRouting::External {
+            topk_ids: &*ids,
+            topk_weights: &*wts,
+        };
+        layer
+            .forward(weights, &x, t, routing, &mut y)
+            .map_err(|x| format!("{what}: eager: {x}"))?;
+        let eager = stream.clone_dtoh(&y).map_err(e)?;
+        let n = t * d;
+        let same =
+            |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+        if !same(&replayed[..n], &eager[..n]) {
+            return Err(format!("{what}: replayed and eager outputs differ"));
+        }
+        if t > 0
+            && replayed[..n]
+                .iter()
+                .any(|v| v.to_bits() == POISON_BF16.to_bits())
+        {
+            return Err(format!("{what}: a poisoned value survived the replay"));
+        }
+    }
     Ok(())
 }
 
@@ -362,7 +438,9 @@ fn rank_main() -> Result<(), String> {
     let ctx = CudaContext::new(0).map_err(e)?;
     let lib = Library::load(None).map_err(e)?;
     let rt = Runtime::join_launched(&lib, &ctx, &env).map_err(e)?;
-    let stream = ctx.new_stream().map_err(e)?;
+    // The per-thread default stream, and no stream of our own on this context: cudarc then
+    // records no per-buffer events, which must not enter the pulled layer's captured graph.
+    let stream = ctx.per_thread_stream();
     check_rank(&rt, &stream, seed)?;
     check_pulled(&rt, &stream, seed ^ 0x9011)
 }
