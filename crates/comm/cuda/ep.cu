@@ -32,6 +32,16 @@
 //                               single-GPU combine. y_slots of call n+1 are written only
 //                               after the owners' expand n+1, which waits for this rank's
 //                               dispatch n+1, which follows its combine_slots n.
+//
+// The pulled backward (same epoch as its forward; its own signal words):
+//   bwd_publish     G           (home) d_weights from the slots and dy, dy -> dy_home,
+//                               then bwd_sig[rank] = epoch everywhere
+//   bwd_gather      G           (owner) waits for every home; w * dy and x of each received
+//                               row, read at the homes
+//   (the gate_up dgrad stores each dx row into its token's slot at home, y_slots again:
+//    every home read its slots in bwd_publish, before the signal the owners waited for)
+//   slots_signal,   1 x 32, G   with comb_sig = bwd_comb_sig and no weights: dx summed
+//   combine_slots               over the token's slots
 //   combine_send    G           per staged row: sum_j w_j * y[row_j] (fp32) -> bf16 partial
 //                               into the source's comb_x (one PE: into out[t], and zero rows
 //                               for the tokens routed nowhere)
@@ -82,7 +92,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_EP_CHUNK;
 static_assert(kChunk == kWarps * 32, "count: one token per lane step, 32 tokens per warp");
-static_assert(sizeof(moefuse_ep_params) == 352 && offsetof(moefuse_ep_params, recv_dst) == 344 && offsetof(moefuse_ep_params, recv_x) == 216 &&
+static_assert(sizeof(moefuse_ep_params) == 400 && offsetof(moefuse_ep_params, recv_dst) == 344 &&
+                  offsetof(moefuse_ep_params, dy_home) == 352 && offsetof(moefuse_ep_params, recv_x) == 216 &&
                   offsetof(moefuse_ep_params, timeout_ns) == 264 && offsetof(moefuse_ep_params, hello) == 304 &&
                   offsetof(moefuse_ep_params, x_home) == 320,
               "moefuse_ep_params changed: update EpParams in crates/comm/src/ep/params.rs and its layout test");
@@ -192,6 +203,10 @@ __device__ void abort_peers(const moefuse_ep_params& p, uint64_t epoch) {
     nvshmemx_signal_op(p.meta_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
     nvshmemx_signal_op(p.disp_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
     nvshmemx_signal_op(p.comb_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
+    if (p.pull) {
+      nvshmemx_signal_op(p.bwd_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
+      nvshmemx_signal_op(p.bwd_comb_sig + p.rank, v, NVSHMEM_SIGNAL_SET, pe);
+    }
   }
   nvshmem_quiet();
 }
@@ -634,12 +649,72 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_slo
     if (valid) {
       const int at = __popc(mask & ((1u << lane) - 1));
       rows[warp][at] = reinterpret_cast<const uint4*>(p.y_slots + (size_t(t) * k + lane) * D);
-      ws[warp][at] = p.topk_weights[size_t(t) * k + lane];
+      ws[warp][at] = p.topk_weights != nullptr ? p.topk_weights[size_t(t) * k + lane] : 1.f;
     }
     __syncwarp();
     warp_weighted_sum(rows[warp], ws[warp], __popc(mask), reinterpret_cast<uint4*>(p.out + size_t(t) * D), D / 8,
                       lane);
     __syncwarp();
+  }
+}
+
+// ---- bwd_publish: grid G, block 256 (pull, the backward's first kernel, at home) --------
+// Per token: d_weights[t, j] = <dy[t], y_slots[t*k + j]> over its valid slots (fp32, lanes'
+// partial sums reduced in a fixed order; 0 for an invalid slot), and dy[t] into dy_home;
+// the last block raises bwd_sig[rank] = epoch everywhere. The slots are this call's
+// forward's expert outputs: nothing writes them before every owner has seen this signal.
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_bwd_publish(moefuse_ep_params p) {
+  const uint64_t epoch = *p.epoch;
+  if (skip_send(p, epoch)) return;
+  const int k = p.top_k, D = p.hidden, n = D / 8, lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.tokens; t += warps) {
+    const uint4* dy = reinterpret_cast<const uint4*>(p.x + size_t(t) * D);
+    uint4* home = reinterpret_cast<uint4*>(p.dy_home + size_t(t) * D);
+    for (int c = lane; c < n; c += 32) home[c] = __ldg(dy + c);
+    for (int j = 0; j < k; ++j) {
+      const int e = p.topk_ids[size_t(t) * k + j];
+      float dot = 0.f;
+      if (e >= 0 && e < p.experts) {
+        const uint4* y = reinterpret_cast<const uint4*>(p.y_slots + (size_t(t) * k + j) * D);
+        for (int c = lane; c < n; c += 32) dot += dot_bf16x8(__ldg(dy + c), __ldcg(y + c));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(~0u, dot, o);
+      if (lane == 0) p.d_weights[size_t(t) * k + j] = dot;
+    }
+  }
+  last_block_signals(p, p.done + 3, p.bwd_sig, epoch);
+}
+
+// ---- bwd_gather: grid G, block 256 (pull, at each owner) -------------------------------
+// Waits for every home's bwd_publish; per received row r (of the forward's, still in
+// recv_src, recv_w): dy_rows[r] = bf16(w_r * dy[token]) and x_rows[r] = x[token], both read
+// at the token's home (dy_home, x_home) through peer addresses.
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_bwd_gather(moefuse_ep_params p) {
+  __shared__ const uint16_t* dy_of[MOEFUSE_EP_MAX_RANKS];
+  __shared__ const uint16_t* x_of[MOEFUSE_EP_MAX_RANKS];
+  const uint64_t epoch = *p.epoch;
+  for (int pe = threadIdx.x; pe < p.ranks; pe += blockDim.x) {
+    dy_of[pe] = static_cast<const uint16_t*>(nvshmem_ptr(p.dy_home, pe));
+    x_of[pe] = static_cast<const uint16_t*>(nvshmem_ptr(p.x_home, pe));
+  }
+  if (!wait_all(p, p.bwd_sig, epoch, MOEFUSE_EP_OP_BACKWARD)) return;  // (its barrier publishes the tables)
+  const int D = p.hidden, n = D / 8, lane = threadIdx.x % 32;
+  const int rows = min(int64_t(p.status[0]), p.recv_rows_cap);
+  const int warps = gridDim.x * kWarps;
+  for (int r = blockIdx.x * kWarps + threadIdx.x / 32; r < rows; r += warps) {
+    const int src = p.recv_src[r];
+    const int s = src / p.max_tokens, t = src - s * p.max_tokens;
+    const float w = p.recv_w[r];
+    const uint4* dy = reinterpret_cast<const uint4*>(dy_of[s] + size_t(t) * D);
+    const uint4* x = reinterpret_cast<const uint4*>(x_of[s] + size_t(t) * D);
+    uint4* dy_out = reinterpret_cast<uint4*>(p.dy_rows + size_t(r) * D);
+    uint4* x_out = reinterpret_cast<uint4*>(p.x_rows + size_t(r) * D);
+    for (int c = lane; c < n; c += 32) {
+      dy_out[c] = scale_bf16x8(__ldcg(dy + c), w);
+      x_out[c] = __ldcg(x + c);
+    }
   }
 }
 

@@ -51,8 +51,8 @@ pub use bootstrap::{
     DEFAULT_LAUNCH_TIMEOUT,
 };
 pub use ep::{
-    Dispatch, EpConfig, EpMemory, ExpertParallel, PullDispatch, RoutingFlags, DEFAULT_EP_TIMEOUT,
-    MAX_EXPERTS, MAX_PULL_RANKS, MAX_RANKS,
+    Dispatch, EpConfig, EpMemory, ExpertParallel, PullBackward, PullDispatch, RoutingFlags,
+    DEFAULT_EP_TIMEOUT, MAX_EXPERTS, MAX_PULL_RANKS, MAX_RANKS,
 };
 pub use modules::{embedded_modules, module, EmbeddedModule};
 pub use plan::{combine, Capacity, Placement, ReceiveLayout, RecvRow, Send, SendPlan};

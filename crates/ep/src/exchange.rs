@@ -14,7 +14,7 @@ use moefuse::gpu::{
 use moefuse::MoeConfig;
 use moefuse_comm::{CommError, EpConfig, ExpertParallel, Runtime, MAX_PULL_RANKS};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
-use moefuse_kernels::{DownScatter, Kernels};
+use moefuse_kernels::{DownScatter, Kernels, ScatterWeights};
 use std::sync::Arc;
 
 /// The weights of this rank's experts (experts `rank·E/N .. (rank+1)·E/N`), borrowed from
@@ -432,6 +432,7 @@ impl ExchangeLayer {
             experts: local,
             hidden: cfg.hidden,
             intermediate: cfg.intermediate,
+            weights: ScatterWeights::OutByIn,
             offsets: d.offsets(),
             h: &self.h,
             w: &weights.down,

@@ -17,7 +17,7 @@ use half::bf16;
 use moefuse_comm::{
     EpConfig, ExpertParallel, LaunchEnv, Library, ReceiveLayout, Runtime, SendPlan, UniqueId,
 };
-use moefuse_kernels::{DownScatter, Kernels};
+use moefuse_kernels::{DownScatter, Kernels, ScatterWeights};
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
@@ -201,6 +201,7 @@ fn round_trip(
         experts: local,
         hidden: HIDDEN,
         intermediate: HIDDEN,
+        weights: ScatterWeights::OutByIn,
         offsets: d.offsets(),
         h: &h_d,
         w: &w_d,

@@ -406,13 +406,13 @@ pub struct MoefuseDownScatterArgs {
     pub intermediate: i32,
     /// 0 or the contiguous grouped GEMM's tile-order fields.
     pub tile_order: i32,
-    /// Unused (0).
-    pub reserved: i32,
+    /// `MOEFUSE_B_LAYOUT_*` of `w`.
+    pub b_layout: i32,
     /// `[experts]` prefix-sum ends.
     pub offsets: *const i32,
     /// `[rows, intermediate]` bf16.
     pub h: *const c_void,
-    /// `[experts, hidden, intermediate]` bf16.
+    /// `[experts, hidden, intermediate]` (NK) or `[experts, intermediate, hidden]` (KN) bf16.
     pub w: *const c_void,
     /// `[rows]` destination addresses of `hidden` bf16 each.
     pub row_dst: *const u64,

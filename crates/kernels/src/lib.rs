@@ -46,7 +46,7 @@ pub use moe_ops::{
     Activation, ActivationBackwardRouted, ActivationKind, ColumnsToF32, CombineBackward,
     CombineForward, DecodeForward, DownScatter, GateUpFused, GateUpLayout, GateUpRows, GatherRows,
     PeerRows, Permute, RouterBackward, RouterForward, RouterScoring, ScatterColumns, ScatterRows,
-    DECODE_DIM_MULTIPLE,
+    ScatterWeights, DECODE_DIM_MULTIPLE,
 };
 /// The facts shared with the build scripts, xtask and the C side (`moefuse-spec`): arch
 /// table, variant table, limits, grouped kinds, tile-order fields. Re-exported so a crate

@@ -16,7 +16,7 @@ mod gate_up;
 mod permute;
 pub use columns::{ColumnsToF32, ScatterColumns};
 pub use decode::{DecodeForward, DECODE_DIM_MULTIPLE};
-pub use down_scatter::{DownScatter, ScatterRows};
+pub use down_scatter::{DownScatter, ScatterRows, ScatterWeights};
 pub use gate_up::{GateUpFused, GateUpRows, PeerRows};
 pub use permute::{CombineBackward, CombineForward, GatherRows, Permute};
 

@@ -1,12 +1,13 @@
 //! The two collectives: [`ExpertParallel::dispatch`] and [`Dispatch::combine`].
 
 use super::params::{self, EpParams, ABORT_COMBINE, ABORT_DISPATCH};
+use super::pulled::PullDispatch;
 use super::{cuda, ExpertParallel};
 use crate::{Capacity, CommError};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-fn check_len(what: &'static str, got: usize, needed: usize) -> Result<(), CommError> {
+pub(super) fn check_len(what: &'static str, got: usize, needed: usize) -> Result<(), CommError> {
     if got < needed {
         return Err(CommError::BufferTooSmall { what, needed, got });
     }
@@ -82,13 +83,11 @@ impl ExpertParallel {
         W: DevicePtr<f32>,
     {
         match self.launch_dispatch(x, topk_ids, topk_weights, tokens, true) {
-            Ok(()) => Ok(PullDispatch {
-                inner: Dispatch {
-                    ep: self,
-                    tokens,
-                    finished: false,
-                },
-            }),
+            Ok(()) => Ok(PullDispatch::new(Dispatch {
+                ep: self,
+                tokens,
+                finished: false,
+            })),
             Err(e) => {
                 self.abandon(ABORT_DISPATCH, &e);
                 Err(e)
@@ -110,6 +109,7 @@ impl ExpertParallel {
         W: DevicePtr<f32>,
     {
         self.check()?;
+        self.pulled = super::PulledState::Idle;
         if pull != self.cfg.pull_rows {
             // The same on every rank (the configuration hash includes pull_rows).
             return Err(CommError::Unsupported(if pull {
@@ -167,9 +167,9 @@ impl ExpertParallel {
 /// without combining abandons the call: the peers' combine fails with
 /// [`CommError::PeerAborted`] instead of waiting.
 pub struct Dispatch<'a> {
-    ep: &'a mut ExpertParallel,
-    tokens: usize,
-    finished: bool,
+    pub(super) ep: &'a mut ExpertParallel,
+    pub(super) tokens: usize,
+    pub(super) finished: bool,
 }
 
 impl Dispatch<'_> {
@@ -254,155 +254,6 @@ impl Dispatch<'_> {
                 ep.module
                     .launch(ep.kernels.combine_reduce, &s, ep.grid, 256, 0, &p)?;
             }
-        }
-        Ok(())
-    }
-}
-
-/// The received-row table of one [`ExpertParallel::dispatch_pull`]: where each expert-major
-/// row lives (rank and token), its weight and origin, and where its expert output goes
-/// (its token's slot at home); the rows themselves stay at their home ranks until the
-/// matching [`PullDispatch::combine_slots`] (every rank must combine before it dispatches
-/// again; dropping it without combining abandons the call, as [`Dispatch`]).
-pub struct PullDispatch<'a> {
-    inner: Dispatch<'a>,
-}
-
-impl PullDispatch<'_> {
-    /// Prefix-sum ends of each local expert's rows, on the device.
-    pub fn offsets(&self) -> &CudaSlice<i32> {
-        self.inner.offsets()
-    }
-
-    /// Routing weight of each received row.
-    pub fn weights(&self) -> &CudaSlice<f32> {
-        self.inner.weights()
-    }
-
-    /// `(source rank, token, slot)` of each received row, `[rows, 3]`.
-    pub fn origin(&self) -> &CudaSlice<i32> {
-        self.inner.origin()
-    }
-
-    /// `source rank * max_tokens + token` of each received row: the row of
-    /// [`PullDispatch::peer_rows`] it reads (`[recv_rows_capacity]`, the first
-    /// `offsets[local_experts - 1]` valid).
-    pub fn row_sources(&self) -> &CudaSlice<i32> {
-        &self.inner.ep.local.recv_src
-    }
-
-    /// Every rank's copy of its rows (`[max_tokens, hidden]` each), as this device's
-    /// load/store addresses: what [`PullDispatch::row_sources`] indexes.
-    pub fn peer_rows(&self) -> &moefuse_kernels::PeerRows {
-        self.inner
-            .ep
-            .peer_rows
-            .as_ref()
-            .expect("a pull exchange holds its peer rows (built in ExpertParallel::new)")
-    }
-
-    /// Where each received row's expert output goes: its token's slot on the token's home
-    /// rank (`[recv_rows_capacity]` addresses, the first `offsets[local_experts - 1]` valid,
-    /// `hidden` bf16 each), for the down GEMM's scattered store
-    /// ([`DownScatter`](moefuse_kernels::DownScatter)); then [`PullDispatch::combine_slots`].
-    pub fn row_destinations(&self) -> moefuse_kernels::ScatterRows<'_> {
-        let ep = &*self.inner.ep;
-        // SAFETY: the dispatch and expand kernels of this call (queued before any launch
-        // that reads the table, on the same stream) write entry r of every received row as
-        // the address of slot (token, slot) of y_slots on the token's home rank: symmetric
-        // memory that lives as long as `ep`, `hidden` bf16 wide and 16-byte aligned, one
-        // entry per (token, slot) pair, so no two overlap. The homes read y_slots only in
-        // combine_slots, after every owner's signal that follows its down GEMM, and write
-        // nothing there.
-        unsafe {
-            moefuse_kernels::ScatterRows::new(
-                ep.runtime.context(),
-                &ep.local.recv_dst,
-                ep.cfg.hidden,
-            )
-        }
-    }
-
-    /// Rows received (synchronises; for tests and tools), as [`Dispatch::received_rows`].
-    pub fn received_rows(&self) -> Result<usize, CommError> {
-        self.inner.received_rows()
-    }
-
-    /// The combine after a down GEMM that stored every received row's output at its
-    /// [`PullDispatch::row_destinations`]: tells every rank this one's rows have landed,
-    /// waits for theirs, and sums this rank's tokens' slots, `out[t] = Σ_j w[t,j] ·
-    /// y(t, j)` over the valid slots in slot order (fp32, bf16 out: the single-GPU layer's
-    /// combine, so the same bits). `topk_ids` and `topk_weights` are the dispatch's
-    /// routing (`[tokens, top_k]`). Collective; errors end the call for the peers too.
-    ///
-    /// ```no_run
-    /// # fn demo(d: moefuse_comm::PullDispatch<'_>, ids: &cudarc::driver::CudaSlice<i32>,
-    /// #         w: &cudarc::driver::CudaSlice<f32>, out: &mut cudarc::driver::CudaSlice<half::bf16>)
-    /// #         -> Result<(), moefuse_comm::CommError> {
-    /// // ... the down GEMM stored its rows at d.row_destinations() ...
-    /// d.combine_slots(ids, w, out)?;
-    /// # Ok(()) }
-    /// ```
-    pub fn combine_slots<I, W, O>(
-        mut self,
-        topk_ids: &I,
-        topk_weights: &W,
-        out: &mut O,
-    ) -> Result<(), CommError>
-    where
-        I: DevicePtr<i32>,
-        W: DevicePtr<f32>,
-        O: DevicePtrMut<bf16>,
-    {
-        self.inner.finished = true;
-        let result = self.launch_combine_slots(topk_ids, topk_weights, out);
-        if let Err(e) = &result {
-            self.inner.ep.abandon(ABORT_COMBINE, e);
-        }
-        result
-    }
-
-    fn launch_combine_slots<I, W, O>(
-        &mut self,
-        topk_ids: &I,
-        topk_weights: &W,
-        out: &mut O,
-    ) -> Result<(), CommError>
-    where
-        I: DevicePtr<i32>,
-        W: DevicePtr<f32>,
-        O: DevicePtrMut<bf16>,
-    {
-        let tokens = self.inner.tokens;
-        let ep = &mut *self.inner.ep;
-        ep.check()?;
-        let (k, d) = (ep.cfg.top_k, ep.cfg.hidden);
-        check_len("topk_ids", topk_ids.len(), tokens * k)?;
-        check_len("topk_weights", topk_weights.len(), tokens * k)?;
-        check_len("out", out.len(), tokens * d)?;
-        let s = ep.stream.clone();
-        let (ip, _is) = topk_ids.device_ptr(&s);
-        let (wp, _ws) = topk_weights.device_ptr(&s);
-        let (op, _os) = out.device_ptr_mut(&s);
-        ep.operand("topk_ids", ip, 4, tokens * k)?;
-        ep.operand("topk_weights", wp, 4, tokens * k)?;
-        ep.operand("out", op, 16, tokens * d)?;
-        let p = EpParams {
-            tokens: tokens as i32,
-            topk_ids: ip,
-            topk_weights: wp,
-            out: op,
-            ..ep.base
-        };
-        // SAFETY: `p` mirrors `moefuse_ep_params`; the signal kernel touches only the epoch,
-        // the fault words and the signals; combine_slots reads y_slots (symmetric, owned by
-        // `ep`) and the caller's ids, weights and out, checked above and kept alive by
-        // their guards until the launches are queued.
-        unsafe {
-            ep.module
-                .launch(ep.kernels.slots_signal, &s, 1, 32, 0, &p)?;
-            ep.module
-                .launch(ep.kernels.combine_slots, &s, ep.grid, 256, 0, &p)?;
         }
         Ok(())
     }

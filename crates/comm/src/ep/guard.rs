@@ -3,8 +3,8 @@
 //! peer gives up, and the checks on caller operands. Host-only logic, unit-tested here.
 
 use super::params::{
-    ABORTED, FAULT_WORDS, HELLO_MAGIC, HELLO_WORDS, LOCAL_ABORT, OP_COMBINE, OP_EXPAND, OP_NOTIFY,
-    TIMEOUT,
+    ABORTED, FAULT_WORDS, HELLO_MAGIC, HELLO_WORDS, LOCAL_ABORT, OP_BACKWARD, OP_COMBINE,
+    OP_EXPAND, OP_NOTIFY, TIMEOUT,
 };
 use super::EpConfig;
 use crate::CommError;
@@ -62,6 +62,7 @@ fn op_name(op: u64) -> &'static str {
         OP_NOTIFY => "dispatch (count exchange)",
         OP_EXPAND => "dispatch (receiving tokens)",
         OP_COMBINE => "combine (receiving partial sums)",
+        OP_BACKWARD => "pulled backward (receiving dy or dx rows)",
         _ => "expert-parallel exchange",
     }
 }

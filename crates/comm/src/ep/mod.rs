@@ -29,10 +29,12 @@ mod dispatch;
 pub(crate) mod guard;
 mod memory;
 mod params;
+mod pulled;
 mod setup;
 
-pub use dispatch::{Dispatch, PullDispatch};
+pub use dispatch::Dispatch;
 pub use memory::EpMemory;
+pub use pulled::{PullBackward, PullDispatch};
 
 use crate::device_module::{self, DeviceModule, HostWords, Kernel};
 use crate::{CommError, Placement, Runtime, SymmetricBuffer};
@@ -190,6 +192,10 @@ struct Symmetric {
     x_home: SymmetricBuffer<u16>,
     /// `[max_tokens * top_k, hidden]` with [`EpConfig::pull_rows`]: each token's slots.
     y_slots: SymmetricBuffer<u16>,
+    /// The pulled backward's dy `[max_tokens, hidden]` and its two signal rows (pull).
+    dy_home: SymmetricBuffer<u16>,
+    bwd_sig: SymmetricBuffer<u64>,
+    bwd_comb_sig: SymmetricBuffer<u64>,
     disp_sig: SymmetricBuffer<u64>,
     comb_x: SymmetricBuffer<u16>,
     comb_sig: SymmetricBuffer<u64>,
@@ -219,6 +225,15 @@ struct Local {
     recv_dst: CudaSlice<u64>,
 }
 
+/// The pulled exchange's progress through one forward and its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PulledState {
+    /// No forward whose backward may run.
+    Idle,
+    /// A forward of `tokens` tokens combined; its slots and received rows are kept.
+    Forward { tokens: usize },
+}
+
 struct Kernels {
     /// count, whose last block runs notify.
     count: Kernel,
@@ -228,6 +243,8 @@ struct Kernels {
     combine_reduce: Kernel,
     slots_signal: Kernel,
     combine_slots: Kernel,
+    bwd_publish: Kernel,
+    bwd_gather: Kernel,
     abort: Kernel,
 }
 
@@ -261,6 +278,8 @@ pub struct ExpertParallel {
     local: Local,
     /// Every rank's `x_home` as this device's addresses ([`EpConfig::pull_rows`]).
     peer_rows: Option<moefuse_kernels::PeerRows>,
+    /// Where a pulled exchange stands: a backward needs the last forward's slots.
+    pulled: PulledState,
     // Freed by Drop, in this order, once the stream is idle (leaked if it never is): the
     // kernels address them through `base`.
     sym: ManuallyDrop<Symmetric>,

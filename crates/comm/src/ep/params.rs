@@ -17,6 +17,7 @@ pub(crate) const LOCAL_ABORT: u64 = 3;
 pub(crate) const OP_NOTIFY: u64 = 1;
 pub(crate) const OP_EXPAND: u64 = 2;
 pub(crate) const OP_COMBINE: u64 = 3;
+pub(crate) const OP_BACKWARD: u64 = 4;
 /// Words of `fault` and of one handshake record.
 pub(crate) const FAULT_WORDS: usize = 4;
 pub(crate) const HELLO_WORDS: usize = 4;
@@ -84,6 +85,12 @@ pub(crate) struct EpParams {
     pub recv_src: u64,
     pub y_slots: u64,
     pub recv_dst: u64,
+    pub dy_home: u64,
+    pub bwd_sig: u64,
+    pub bwd_comb_sig: u64,
+    pub d_weights: u64,
+    pub dy_rows: u64,
+    pub x_rows: u64,
 }
 
 #[cfg(test)]
@@ -93,7 +100,7 @@ mod tests {
 
     /// Offsets as the C compiler lays out `moefuse_ep_params` on LP64 (8 ints, an int64,
     /// 30 pointers, then the guard block: 3 u64, 3 pointers, 2 ints; then the pull block's
-    /// four pointers).
+    /// four pointers, and the pulled backward's six).
     #[test]
     fn layout_matches_the_c_struct() {
         assert_eq!(offset_of!(EpParams, recv_rows_cap), 32);
@@ -111,6 +118,8 @@ mod tests {
         assert_eq!(offset_of!(EpParams, recv_src), 328);
         assert_eq!(offset_of!(EpParams, y_slots), 336);
         assert_eq!(offset_of!(EpParams, recv_dst), 344);
-        assert_eq!(size_of::<EpParams>(), 352);
+        assert_eq!(offset_of!(EpParams, dy_home), 352);
+        assert_eq!(offset_of!(EpParams, x_rows), 392);
+        assert_eq!(size_of::<EpParams>(), 400);
     }
 }

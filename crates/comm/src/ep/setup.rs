@@ -70,6 +70,8 @@ impl ExpertParallel {
             combine_reduce: module.kernel("moefuse_ep_combine_reduce")?,
             slots_signal: module.kernel("moefuse_ep_slots_signal")?,
             combine_slots: module.kernel("moefuse_ep_combine_slots")?,
+            bwd_publish: module.kernel("moefuse_ep_bwd_publish")?,
+            bwd_gather: module.kernel("moefuse_ep_bwd_gather")?,
             abort: module.kernel("moefuse_ep_abort")?,
         };
         let s = stream.as_ref();
@@ -138,6 +140,9 @@ impl ExpertParallel {
             stage_w: runtime.alloc(staged * k)?,
             x_home: runtime.alloc(if pull { t * d } else { 1 })?,
             y_slots: runtime.alloc(if pull { t * k * d } else { 1 })?,
+            dy_home: runtime.alloc(if pull { t * d } else { 1 })?,
+            bwd_sig: runtime.alloc(ranks)?,
+            bwd_comb_sig: runtime.alloc(ranks)?,
             disp_sig: runtime.alloc(ranks)?,
             // Pulled rows combine through y_slots instead of per-destination partials.
             comb_x: runtime.alloc(if pull { 1 } else { comb_rows * d })?,
@@ -164,12 +169,18 @@ impl ExpertParallel {
             None
         };
         // Signals must start at zero on every rank before any peer can raise one.
-        for sig in [&sym.meta_sig, &sym.disp_sig, &sym.comb_sig] {
+        for sig in [
+            &sym.meta_sig,
+            &sym.disp_sig,
+            &sym.comb_sig,
+            &sym.bwd_sig,
+            &sym.bwd_comb_sig,
+        ] {
             zero(sig, s)?;
         }
         let local = Local {
             epoch: stream.clone_htod(&[epoch_base]).map_err(cuda)?,
-            done: zeros(stream, 3)?,
+            done: zeros(stream, 4)?,
             chunk_cnt: zeros(stream, t.div_ceil(params::CHUNK) * c)?,
             pos_local: zeros(stream, t * k)?,
             tokpos: zeros(stream, t * ranks)?,
@@ -234,6 +245,9 @@ impl ExpertParallel {
             recv_src: ptr(&local.recv_src, s),
             y_slots: sym.y_slots.device_ptr(),
             recv_dst: ptr(&local.recv_dst, s),
+            dy_home: sym.dy_home.device_ptr(),
+            bwd_sig: sym.bwd_sig.device_ptr(),
+            bwd_comb_sig: sym.bwd_comb_sig.device_ptr(),
             ..EpParams::default()
         };
         // Two 256-thread blocks per SM: 16 warps, each with 4 row loads per lane in flight.
@@ -262,6 +276,7 @@ impl ExpertParallel {
             broken: None,
             local,
             peer_rows,
+            pulled: super::PulledState::Idle,
             sym: ManuallyDrop::new(sym),
             fault_host: ManuallyDrop::new(fault_host),
             module: ManuallyDrop::new(module),

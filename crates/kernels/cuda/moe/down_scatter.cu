@@ -1,6 +1,6 @@
 // Host launcher of the scattered down GEMM (moe_abi.h: moefuse_moe_down_scatter): the
-// contiguous grouped GEMM (kernel/sm90_contiguous_grouped.cuh, 128 x 256 x 64 tiles, W_e in
-// [hidden, intermediate] layout) whose epilogue stores row r at the address row_dst[r]
+// contiguous grouped GEMM (kernel/sm90_contiguous_grouped.cuh, 128 x 256 x 64 tiles, W_e as
+// [N, K] or [K, N]) whose epilogue stores row r at the address row_dst[r]
 // (epilogue::RowsScattered) instead of into D. CTA pairs share W_e's tiles when the experts
 // average two m-blocks of rows, as the fused gate_up decides. A fat object like the other
 // MoE kernels: its sm_90a image carries the kernel, any other image a trap the capability
@@ -17,15 +17,18 @@ static_assert(offsetof(moefuse_down_scatter_args, row_dst) == 48, "moefuse_down_
 namespace moefuse::moe {
 namespace {
 
-template <int kClusterM>
-using Config = sm90::ContiguousGroupedBf16<128, 256, 64, kClusterM, 1, sm90::Contiguous, MOEFUSE_B_LAYOUT_NK>;
-template <int kClusterM>
-using ScatterKernel = kernel::Sm90ContiguousGrouped<typename Config<kClusterM>::CollectiveMainloop,
-                                                    Config<kClusterM>::kMaxGroups, epilogue::RowsScattered>;
-constexpr int kMaxGroups = Config<1>::kMaxGroups;
+template <int kClusterM, moefuse_b_layout kLayout>
+using Config = sm90::ContiguousGroupedBf16<128, 256, 64, kClusterM, 1, sm90::Contiguous, kLayout>;
+template <int kClusterM, moefuse_b_layout kLayout>
+using ScatterKernel = kernel::Sm90ContiguousGrouped<typename Config<kClusterM, kLayout>::CollectiveMainloop,
+                                                    Config<kClusterM, kLayout>::kMaxGroups, epilogue::RowsScattered>;
+constexpr int kMaxGroups = Config<1, MOEFUSE_B_LAYOUT_NK>::kMaxGroups;
 
 moefuse_status check(const moefuse_down_scatter_args* a, const char* name) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
+  if (a->b_layout != MOEFUSE_B_LAYOUT_NK && a->b_layout != MOEFUSE_B_LAYOUT_KN) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: b_layout %d", name, a->b_layout);
+  }
   if (a->rows < 0 || a->experts < 1 || a->experts > kMaxGroups || a->hidden < 8 || a->intermediate < 8) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: rows=%d experts=%d (1..%d) hidden=%d intermediate=%d", name,
                 a->rows, a->experts, kMaxGroups, a->hidden, a->intermediate);
@@ -51,15 +54,15 @@ moefuse_status check(const moefuse_down_scatter_args* a, const char* name) {
 
 // The plain contiguous GEMM's parameters over the same operands (D unused: the row store
 // goes through row_dst), then the scattered store.
-template <int kClusterM>
+template <int kClusterM, moefuse_b_layout kLayout>
 moefuse_status launch(const moefuse_down_scatter_args& a, int sms, cudaStream_t stream, const char* name) {
-  using K = ScatterKernel<kClusterM>;
+  using K = ScatterKernel<kClusterM, kLayout>;
   moefuse_grouped_gemm_args g{};
   g.num_groups = a.experts;
   g.total_rows = a.rows;
   g.n = a.hidden;
   g.k = a.intermediate;
-  g.b_layout = MOEFUSE_B_LAYOUT_NK;
+  g.b_layout = kLayout;
   g.tile_order = a.tile_order;
   g.offsets = a.offsets;
   g.a = a.h;
@@ -67,7 +70,8 @@ moefuse_status launch(const moefuse_down_scatter_args& a, int sms, cudaStream_t 
   g.d = nullptr;
   g.alpha = 1.f;
   g.beta = 0.f;
-  typename K::Params p = sm90::ContiguousGroupedLauncher<Config<kClusterM>>::template params<typename K::Params>(g);
+  typename K::Params p =
+      sm90::ContiguousGroupedLauncher<Config<kClusterM, kLayout>>::template params<typename K::Params>(g);
   p.row_at = epilogue::RowsScattered{a.row_dst};
   const int64_t n_blocks = (a.hidden + K::kTileN - 1) / K::kTileN;
   const int64_t max_units = (int64_t(a.rows) / (int64_t(K::kTileM) * kClusterM) + a.experts) * n_blocks;
@@ -91,5 +95,8 @@ extern "C" moefuse_status moefuse_moe_down_scatter(const moefuse_down_scatter_ar
   const auto s = static_cast<cudaStream_t>(stream);
   // Pairs when the experts average two m-blocks of rows (the fused gate_up's rule).
   const bool pairs = int64_t(a->rows) >= int64_t(2 * 128) * a->experts;
-  return pairs ? launch<2>(*a, sms, s, name) : launch<1>(*a, sms, s, name);
+  if (a->b_layout == MOEFUSE_B_LAYOUT_KN) {
+    return pairs ? launch<2, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name) : launch<1, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name);
+  }
+  return pairs ? launch<2, MOEFUSE_B_LAYOUT_NK>(*a, sms, s, name) : launch<1, MOEFUSE_B_LAYOUT_NK>(*a, sms, s, name);
 }

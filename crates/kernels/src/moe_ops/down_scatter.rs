@@ -70,20 +70,34 @@ impl<'a> ScatterRows<'a> {
     }
 }
 
-/// `out_r = h[r] · W_eᵀ` for the expert-major rows `r` of each expert `e` (rows
+/// How a [`DownScatter`]'s expert weights are stored.
+///
+/// ```
+/// assert_ne!(moefuse_kernels::ScatterWeights::OutByIn, moefuse_kernels::ScatterWeights::InByOut);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScatterWeights {
+    /// `[experts, hidden, intermediate]`: `out_r = h[r] · W_eᵀ` (the down projection).
+    OutByIn,
+    /// `[experts, intermediate, hidden]`: `out_r = h[r] · W_e` (the gate_up projection's
+    /// dgrad, `dx = d_h_pre · W_gate_up`).
+    InByOut,
+}
+
+/// `out_r = h[r] · W_eᵀ` (or `· W_e`, [`ScatterWeights`]) for the expert-major rows `r` of each expert `e` (rows
 /// `offsets[e-1]..offsets[e]`, device data the kernel clamps to `rows`), each stored at
 /// its address in `dst` (bf16, `hidden` wide): the expert-parallel layer's down GEMM with
 /// the combine's transfer in its epilogue. Hopper only (`sm_90a`); elsewhere
 /// [`KernelError::Launch`] with [`Status::ArchMismatch`](crate::Status::ArchMismatch).
 ///
 /// ```no_run
-/// # use moefuse_kernels::{DownScatter, Kernels, ScatterRows};
+/// # use moefuse_kernels::{DownScatter, Kernels, ScatterRows, ScatterWeights};
 /// # fn demo(kernels: &Kernels, stream: &std::sync::Arc<cudarc::driver::CudaStream>,
 /// #         offsets: &cudarc::driver::CudaSlice<i32>, h: &cudarc::driver::CudaSlice<half::bf16>,
 /// #         w: &cudarc::driver::CudaSlice<half::bf16>, dst: &ScatterRows<'_>)
 /// #         -> Result<(), moefuse_kernels::KernelError> {
 /// kernels.launch(stream, DownScatter { rows: 4096, experts: 16, hidden: 2048,
-///     intermediate: 768, offsets, h, w, dst })?;
+///     intermediate: 768, weights: ScatterWeights::OutByIn, offsets, h, w, dst })?;
 /// # Ok(()) }
 /// ```
 pub struct DownScatter<'a> {
@@ -95,11 +109,13 @@ pub struct DownScatter<'a> {
     pub hidden: usize,
     /// `I` (K), a multiple of 8.
     pub intermediate: usize,
+    /// How `w` is stored.
+    pub weights: ScatterWeights,
     /// `[experts]` prefix-sum ends.
     pub offsets: &'a dyn DevicePtr<i32>,
     /// `[rows, intermediate]`.
     pub h: &'a dyn DevicePtr<bf16>,
-    /// `[experts, hidden, intermediate]`.
+    /// `[experts, hidden, intermediate]` or `[experts, intermediate, hidden]`.
     pub w: &'a dyn DevicePtr<bf16>,
     /// Where each row goes.
     pub dst: &'a ScatterRows<'a>,
@@ -135,7 +151,10 @@ impl<'a> DownScatter<'a> {
             hidden: to_i32(kernel, "hidden", d)?,
             intermediate: to_i32(kernel, "intermediate", i)?,
             tile_order: 0,
-            reserved: 0,
+            b_layout: match self.weights {
+                ScatterWeights::OutByIn => ffi::MOEFUSE_B_LAYOUT_NK,
+                ScatterWeights::InByOut => ffi::MOEFUSE_B_LAYOUT_KN,
+            },
             offsets: offsets as *const i32,
             h: h as *const _,
             w: w as *const _,

@@ -167,10 +167,11 @@ moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* args, void*
  * Scattered down GEMM (sm_90a; moe/down_scatter.cu: kernel/sm90_contiguous_grouped.cuh with
  * the RowsScattered store): for every expert-major row r of expert e (rows
  * offsets[e-1]..offsets[e]-1, offsets read on the device and clamped to rows),
- *   out_r = h[r, :] · W_e^T       (W_e = w[e] as [hidden, intermediate])
+ *   out_r = h[r, :] · W_e^T       (b_layout NK: W_e = w[e] as [hidden, intermediate])
+ *   out_r = h[r, :] · W_e         (b_layout KN: W_e = w[e] as [intermediate, hidden])
  * stored as hidden bf16 values at the address row_dst[r], not into a matrix: the
- * expert-parallel layer's down GEMM writes each expert output row straight into its
- * token's slot on the token's home rank (row_dst holds this device's or peers' addresses,
+ * expert-parallel layer's down GEMM (and its backward's gate_up dgrad, KN) writes each
+ * output row straight into its token's slot on the token's home rank (row_dst holds this device's or peers' addresses,
  * 16-byte aligned, written by the dispatch). Rows past offsets[experts-1] are not stored.
  * Needs hidden % 8 == 0, intermediate % 8 == 0, 16-byte aligned h and w, 1 <= experts <=
  * 512. Another device than compute capability 9.0 returns MOEFUSE_STATUS_ARCH_MISMATCH.
@@ -181,10 +182,10 @@ typedef struct moefuse_down_scatter_args {
   int32_t hidden;            /* N */
   int32_t intermediate;      /* K */
   int32_t tile_order;        /* 0: default; else as moefuse_grouped_gemm_args.tile_order (contiguous fields) */
-  int32_t reserved;
+  int32_t b_layout;          /* moefuse_b_layout of w */
   const int32_t* offsets;    /* [experts] prefix-sum ends */
   const uint16_t* h;         /* [rows, intermediate] bf16 */
-  const uint16_t* w;         /* [experts, hidden, intermediate] bf16 */
+  const uint16_t* w;         /* [experts, hidden, intermediate] (NK) or [experts, intermediate, hidden] (KN) bf16 */
   const uint64_t* row_dst;   /* [rows] addresses of hidden bf16 each */
 } moefuse_down_scatter_args;
 

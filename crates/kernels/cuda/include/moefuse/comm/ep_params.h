@@ -47,6 +47,7 @@ extern "C" {
 #define MOEFUSE_EP_OP_NOTIFY 1u         /* dispatch: the count exchange (meta_sig) */
 #define MOEFUSE_EP_OP_EXPAND 2u         /* dispatch: waiting for the tokens (disp_sig) */
 #define MOEFUSE_EP_OP_COMBINE 3u        /* combine: waiting for the partial sums (comb_sig) */
+#define MOEFUSE_EP_OP_BACKWARD 4u       /* pulled backward: waiting for dy (bwd_sig) or dx (bwd_comb_sig) */
 #define MOEFUSE_EP_ABORT_BIT (1ull << 63)
 #define MOEFUSE_EP_HELLO_MAGIC 0x6d6f656675736501ull
 
@@ -69,7 +70,7 @@ typedef struct moefuse_ep_params {
   uint64_t* comb_sig;  /* sym [ranks] */
 
   uint64_t* epoch;        /* [1] the last call's epoch; notify increments it (starts at the agreed base) */
-  uint32_t* done;         /* [3] finished blocks of dispatch / combine_send / count (last block resets) */
+  uint32_t* done;         /* [4] finished blocks of dispatch / combine_send / count / bwd_publish (last block resets) */
   int32_t* chunk_cnt;     /* [max_chunks][C] per-chunk counts, then exclusive bases */
   int32_t* pos_local;     /* [max_tokens][top_k] rank of (t, slot) in its expert within the chunk */
   int32_t* tokpos;        /* [max_tokens][ranks] rank of t among tokens sent to d (or -1) */
@@ -108,6 +109,15 @@ typedef struct moefuse_ep_params {
      sums its tokens' slots in slot order. */
   uint16_t* y_slots;  /* sym [max_tokens * top_k, hidden] (pull): row t * top_k + j */
   uint64_t* recv_dst; /* [recv_rows_cap] (pull) address of each received row's slot at its home */
+  /* Pulled backward (appended): the home publishes dy and computes d_weights from its
+     slots, the owners gather dy (weighted) and x rows, store dx rows into the home's slots
+     (y_slots again: the homes have read them by then), the homes sum them. */
+  uint16_t* dy_home;       /* sym [max_tokens, hidden] (pull): this rank's dy */
+  uint64_t* bwd_sig;       /* sym [ranks] (pull): dy published (epoch) */
+  uint64_t* bwd_comb_sig;  /* sym [ranks] (pull): dx rows stored into the homes' slots (epoch) */
+  float* d_weights;        /* bwd_publish: [tokens, top_k] <dy, y_e> per slot (0 where invalid) */
+  uint16_t* dy_rows;       /* bwd_gather: [recv_rows_cap, hidden] w * dy of each received row */
+  uint16_t* x_rows;        /* bwd_gather: [recv_rows_cap, hidden] x of each received row */
 } moefuse_ep_params;
 
 #ifdef __cplusplus
