@@ -6,7 +6,8 @@
 //! ranks (one GPU each where there are N GPUs, all on GPU 0 otherwise: correct, but the
 //! times are then time-sliced and mean nothing); rank 0 writes the JSON lines. From two
 //! ranks it also times the Inference forward with rows copied (`moefuse_ep_copy`) and
-//! pulled in place (`moefuse_ep_pull`, its rel. err against the copied output).
+//! pulled in place (`moefuse_ep_pull`, its rel. err against the copied output), and the
+//! Training forward and backward with pulled rows (`moefuse_ep_pull`).
 //!
 //! `.device-pack/run.sh bench_ep_layer --out $OUT [--tokens 8192] [--ranks 1]`
 
@@ -240,6 +241,20 @@ fn bench(
         let mut pulled_rec = rec("moefuse_ep_pull", "fwd-inference", fp, flops);
         pulled_rec.rel_err = e_pull;
         out.push(pulled_rec);
+        drop((copied, pulled));
+        // Training with pulled rows: forward and backward (the copied Training layer's rows
+        // are the `moefuse_ep` ones above).
+        let mut tl =
+            EpMoeLayer::with_delivery(rt, stream, cfg, t, Mode::Training, RowDelivery::Pull)?;
+        let mut tg = tl.gradients()?;
+        let tf = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
+            Ok(tl.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
+        })?;
+        let tb = time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
+            Ok(tl.backward(&lw, &dy, &mut dx, &mut tg, false)?)
+        })?;
+        out.push(rec("moefuse_ep_pull", "fwd", tf, flops));
+        out.push(rec("moefuse_ep_pull", "bwd", tb, 2.0 * flops));
     }
     if let Some((f1, b1)) = single {
         out.push(rec("moefuse", "fwd", f1, flops));

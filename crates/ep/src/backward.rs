@@ -7,17 +7,25 @@
 //! backward with one slot per row), the down dgrad/wgrad, the activation backward and the
 //! gate_up dgrad/wgrad on the saved rows; dx returns through the second exchange's combine;
 //! `s` returns through the third (slot j's value in column j).
+//!
+//! With pulled rows ([`RowDelivery::Pull`](crate::RowDelivery)) the forward's own exchange
+//! carries the backward ([`moefuse_comm::PullBackward`]): each home computes its tokens'
+//! `d_topk_weights` from the expert outputs already in its slots and publishes dy; each
+//! owner gathers `w · dy` and `x` of its received rows from the homes, runs the down
+//! dgrad/wgrad, the activation backward and the gate_up wgrad on them, and its gate_up
+//! dgrad stores every `dx` row into the token's slot at home, where the slots are summed.
 
 use crate::error::need;
-use crate::exchange::{ExchangeLayer, LocalWeights};
+use crate::exchange::{ExchangeLayer, LocalWeights, Parts};
 use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
+use moefuse::gpu::ActivationDesc;
 use moefuse::gpu::{activation_backward, combine_backward, route_backward, DeviceErrors, Rows};
 use moefuse::MoeConfig;
 use moefuse_comm::{EpConfig, ExpertParallel, Runtime};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
-use moefuse_kernels::{ColumnsToF32, Kernels, ScatterColumns};
+use moefuse_kernels::{ColumnsToF32, DownScatter, Kernels, ScatterColumns, ScatterWeights};
 use std::sync::Arc;
 
 /// The gradients of one backward, on this rank: its experts' weight gradients
@@ -29,20 +37,28 @@ pub type EpGradients = moefuse::gpu::Gradients;
 
 /// A Training layer's backward state.
 pub(crate) struct Training {
-    dy_ep: ExpertParallel,
-    s_ep: ExpertParallel,
-    s_width: usize,
     down_dgrad: GroupedPlan,
-    gate_up_dgrad: GroupedPlan,
     down_wgrad: [GroupedPlan; 2],
     gate_up_wgrad: [GroupedPlan; 2],
     logits: CudaSlice<f32>,
-    identity: CudaSlice<i32>,
-    ones: CudaSlice<f32>,
-    s_zeros: CudaSlice<bf16>,
     dy_perm: CudaSlice<bf16>,
     dh: CudaSlice<bf16>,
     d_h_pre: CudaSlice<bf16>,
+    /// What only the copied rows' backward needs; `None` when rows are pulled.
+    copied: Option<Copied>,
+    /// Pulled rows: the received rows' x, gathered from the homes (one element otherwise).
+    x_rows: CudaSlice<bf16>,
+}
+
+/// The copied rows' backward exchanges and buffers.
+struct Copied {
+    dy_ep: ExpertParallel,
+    s_ep: ExpertParallel,
+    s_width: usize,
+    gate_up_dgrad: GroupedPlan,
+    identity: CudaSlice<i32>,
+    ones: CudaSlice<f32>,
+    s_zeros: CudaSlice<bf16>,
     dx_perm: CudaSlice<bf16>,
     s: CudaSlice<f32>,
     s_rows: CudaSlice<bf16>,
@@ -54,19 +70,18 @@ pub(crate) struct Training {
 impl Training {
     /// The backward's two exchanges and its own buffers into `m`.
     pub(crate) fn add_memory(&self, m: &mut crate::EpLayerMemory) {
-        m.add_exchange(self.dy_ep.memory());
-        m.add_exchange(self.s_ep.memory());
-        let bf16s = self.s_zeros.len()
-            + self.dy_perm.len()
-            + self.dh.len()
-            + self.d_h_pre.len()
-            + self.dx_perm.len()
-            + self.s_rows.len()
-            + self.s_home.len();
-        let words = self.logits.len() + self.identity.len() + self.ones.len() + self.s.len();
+        let mut bf16s = self.dy_perm.len() + self.dh.len() + self.d_h_pre.len() + self.x_rows.len();
+        let mut words = self.logits.len();
+        if let Some(c) = &self.copied {
+            m.add_exchange(c.dy_ep.memory());
+            m.add_exchange(c.s_ep.memory());
+            bf16s += c.s_zeros.len() + c.dx_perm.len() + c.s_rows.len() + c.s_home.len();
+            words += c.identity.len() + c.ones.len() + c.s.len();
+        }
         m.layer += 2 * bf16s + 4 * words;
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         runtime: &Arc<Runtime>,
         stream: &Arc<CudaStream>,
@@ -75,23 +90,9 @@ impl Training {
         max_tokens: usize,
         local: usize,
         rows: usize,
+        pulled: bool,
     ) -> Result<Self, EpError> {
-        let (d, i, w, k, e) = (
-            c.hidden,
-            c.intermediate,
-            c.gate_up_width(),
-            c.top_k,
-            c.experts,
-        );
-        // The values' exchange: one column per slot, rows of 16 bytes at least.
-        let s_width = k.div_ceil(8) * 8;
-        let dy_ep = ExpertParallel::new(runtime, stream, EpConfig::new(e, k, d, max_tokens))?;
-        let s_ep = ExpertParallel::new(runtime, stream, EpConfig::new(e, k, s_width, max_tokens))?;
-        if dy_ep.recv_rows_capacity() != rows || s_ep.recv_rows_capacity() != rows {
-            return Err(EpError::Config(
-                "the backward's exchanges hold another row count than the forward's".into(),
-            ));
-        }
+        let (d, i, w, e) = (c.hidden, c.intermediate, c.gate_up_width(), c.experts);
         let wgrad = |n: usize, kk: usize| -> Result<[GroupedPlan; 2], EpError> {
             let (desc, _) = GroupedDesc::wgrad_for(local, rows, n, kk, BLayout::Nk);
             Ok([
@@ -100,35 +101,30 @@ impl Training {
             ])
         };
         let z16 = |n: usize| stream.alloc_zeros::<bf16>(n.max(1));
-        let z32 = |n: usize| stream.alloc_zeros::<f32>(n.max(1));
-        let slots = max_tokens * k;
-        let identity: Vec<i32> = (0..rows as i32).collect();
+        let copied = if pulled {
+            None
+        } else {
+            Some(Copied::new(
+                runtime, stream, gemm, c, max_tokens, local, rows,
+            )?)
+        };
         Ok(Training {
             down_dgrad: gemm.plan(&GroupedDesc::dgrad(local, rows, d, i, BLayout::Nk))?,
-            gate_up_dgrad: gemm.plan(&GroupedDesc::dgrad(local, rows, w, d, BLayout::Nk))?,
             down_wgrad: wgrad(d, i)?,
             gate_up_wgrad: wgrad(w, d)?,
-            logits: z32(max_tokens * e)?,
-            identity: stream.clone_htod(&identity)?,
-            ones: stream.clone_htod(&vec![1f32; slots.max(1)])?,
-            s_zeros: z16(max_tokens * s_width)?,
+            logits: stream.alloc_zeros::<f32>((max_tokens * e).max(1))?,
             dy_perm: z16(rows * d)?,
             dh: z16(rows * i)?,
             d_h_pre: z16(rows * w)?,
-            dx_perm: z16(rows * d)?,
-            s: z32(rows)?,
-            s_rows: z16(rows * s_width)?,
-            s_home: z16(max_tokens * s_width)?,
-            errors: DeviceErrors::new(stream)?,
-            dy_ep,
-            s_ep,
-            s_width,
+            copied,
+            x_rows: z16(if pulled { rows * d } else { 1 })?,
         })
     }
 
     pub(crate) fn plans(&self) -> impl Iterator<Item = &GroupedPlan> {
-        [&self.down_dgrad, &self.gate_up_dgrad]
+        [&self.down_dgrad]
             .into_iter()
+            .chain(self.copied.iter().map(|c| &c.gate_up_dgrad))
             .chain(self.down_wgrad.iter())
             .chain(self.gate_up_wgrad.iter())
     }
@@ -141,6 +137,46 @@ impl Training {
     ) -> Result<(), EpError> {
         s.memcpy_dtod(&logits.slice(..n), &mut self.logits.slice_mut(..n))?;
         Ok(())
+    }
+}
+
+impl Copied {
+    fn new(
+        runtime: &Arc<Runtime>,
+        stream: &Arc<CudaStream>,
+        gemm: &GroupedGemm,
+        c: &MoeConfig,
+        max_tokens: usize,
+        local: usize,
+        rows: usize,
+    ) -> Result<Self, EpError> {
+        let (d, w, k, e) = (c.hidden, c.gate_up_width(), c.top_k, c.experts);
+        // The values' exchange: one column per slot, rows of 16 bytes at least.
+        let s_width = k.div_ceil(8) * 8;
+        let dy_ep = ExpertParallel::new(runtime, stream, EpConfig::new(e, k, d, max_tokens))?;
+        let s_ep = ExpertParallel::new(runtime, stream, EpConfig::new(e, k, s_width, max_tokens))?;
+        if dy_ep.recv_rows_capacity() != rows || s_ep.recv_rows_capacity() != rows {
+            return Err(EpError::Config(
+                "the backward's exchanges hold another row count than the forward's".into(),
+            ));
+        }
+        let z16 = |n: usize| stream.alloc_zeros::<bf16>(n.max(1));
+        let slots = max_tokens * k;
+        let identity: Vec<i32> = (0..rows as i32).collect();
+        Ok(Copied {
+            gate_up_dgrad: gemm.plan(&GroupedDesc::dgrad(local, rows, w, d, BLayout::Nk))?,
+            identity: stream.clone_htod(&identity)?,
+            ones: stream.clone_htod(&vec![1f32; slots.max(1)])?,
+            s_zeros: z16(max_tokens * s_width)?,
+            dx_perm: z16(rows * d)?,
+            s: stream.alloc_zeros::<f32>(rows.max(1))?,
+            s_rows: z16(rows * s_width)?,
+            s_home: z16(max_tokens * s_width)?,
+            errors: DeviceErrors::new(stream)?,
+            dy_ep,
+            s_ep,
+            s_width,
+        })
     }
 }
 
@@ -161,7 +197,8 @@ impl ExchangeLayer {
     /// Gradients of the last forward for `dy [T, D]` (this rank's tokens): `dx [T, D]`, and
     /// into `grads` the local experts' weight gradients (added to their content when
     /// `accumulate`), `d_topk_weights`, and `d_logits` when the forward routed from
-    /// logits. Collective; needs a Training layer and a forward that returned `Ok`.
+    /// logits. Collective; needs a Training layer and a forward that returned `Ok` (with
+    /// pulled rows, one backward per forward: the backward reuses the forward's slots).
     pub fn backward<G, X>(
         &mut self,
         weights: &LocalWeights<'_>,
@@ -195,30 +232,97 @@ impl ExchangeLayer {
         let (parts, gemm, act) = self.backward_parts().ok_or_else(|| {
             EpError::Config("backward needs a layer built in Mode::Training".into())
         })?;
-        let (tr, ids, gws) = (parts.train, parts.ids, parts.gemm_ws);
+        let acc = usize::from(accumulate);
+        let mut parts = parts;
+        let ctx = Ctx {
+            gemm,
+            act,
+            weights,
+            s: &stream,
+            cfg: c,
+            t,
+            rows,
+            local,
+            acc,
+        };
+        if parts.train.copied.is_some() {
+            ctx.copied(&mut parts, dy, dx, grads)?;
+        } else {
+            ctx.pulled(&mut parts, dy, dx, grads)?;
+        }
+        let (tr, ids, s) = (&parts.train, parts.ids, &stream);
+        if last.routed {
+            route_backward(
+                &c,
+                s,
+                t,
+                &tr.logits,
+                ids,
+                &grads.d_topk_weights,
+                &mut grads.d_logits,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What both backwards read.
+struct Ctx<'a, 'w> {
+    gemm: &'a GroupedGemm,
+    act: &'a ActivationDesc,
+    weights: &'a LocalWeights<'w>,
+    s: &'a Arc<CudaStream>,
+    cfg: MoeConfig,
+    t: usize,
+    rows: usize,
+    local: usize,
+    acc: usize,
+}
+
+impl Ctx<'_, '_> {
+    /// Copied rows: dy out and dx back through the second exchange, the values through the
+    /// third.
+    fn copied<G, X>(
+        &self,
+        parts: &mut Parts<'_>,
+        dy: &G,
+        dx: &mut X,
+        grads: &mut EpGradients,
+    ) -> Result<(), EpError>
+    where
+        G: DevicePtr<bf16>,
+        X: DevicePtrMut<bf16>,
+    {
+        let (tr, ids, gws) = (&mut *parts.train, parts.ids, &mut *parts.gemm_ws);
+        let Some(cp) = tr.copied.as_mut() else {
+            return Err(EpError::Config(
+                "a pulled layer has no copied backward".into(),
+            ));
+        };
+        let (gemm, act, weights, s) = (self.gemm, self.act, self.weights, self.s);
+        let (t, rows, local, acc) = (self.t, self.rows, self.local, self.acc);
+        let (d, k) = (self.cfg.hidden, self.cfg.top_k);
         // The forward's received rows, weights, offsets and origins, still in its exchange's
         // buffers (the backward's own exchanges leave them alone).
         let (x_recv, w_recv) = (parts.ep.received_x(), parts.ep.received_weights());
         let (offsets, origin) = (parts.ep.received_offsets(), parts.ep.received_origin());
         let kernels: &Kernels = gemm.kernels();
-        let acc = usize::from(accumulate);
-        let s = &stream;
         let count = offsets.slice(local - 1..);
 
         // dy out by the forward's routing, unweighted (its combine is dx's plain sum).
-        let dd = tr.dy_ep.dispatch(dy, ids, &tr.ones, t)?;
+        let dd = cp.dy_ep.dispatch(dy, ids, &cp.ones, t)?;
         combine_backward(
             s,
             rows,
             1,
             d,
-            &tr.identity,
+            &cp.identity,
             w_recv,
             dd.x(),
             parts.y_e,
             &mut tr.dy_perm,
-            &mut tr.s,
-            &mut tr.errors,
+            &mut cp.s,
+            &mut cp.errors,
         )?;
         let off = offsets;
         gemm.run(
@@ -243,12 +347,12 @@ impl ExchangeLayer {
         activation_backward(act, s, live, parts.h_pre, &tr.dh, &mut tr.d_h_pre)?;
         let gu = &weights.gate_up;
         gemm.run(
-            &tr.gate_up_dgrad,
+            &cp.gate_up_dgrad,
             s,
             off,
             &tr.d_h_pre,
             gu,
-            &mut tr.dx_perm,
+            &mut cp.dx_perm,
             gws,
         )?;
         let d_gu = &mut grads.d_gate_up;
@@ -261,7 +365,7 @@ impl ExchangeLayer {
             d_gu,
             gws,
         )?;
-        dd.combine(&tr.dx_perm, dx)?;
+        dd.combine(&cp.dx_perm, dx)?;
 
         // Each slot's ⟨dy, y_e⟩ back: slot j's value in column j of its row.
         let origin_slot = origin.slice(2..);
@@ -269,38 +373,103 @@ impl ExchangeLayer {
             s,
             ScatterColumns {
                 rows,
-                width: tr.s_width,
+                width: cp.s_width,
                 col_stride: 3,
                 count: Some(&count),
                 col_of: &origin_slot,
-                values: &tr.s,
-                out: &mut tr.s_rows,
+                values: &cp.s,
+                out: &mut cp.s_rows,
                 errors: None,
             },
         )?;
-        let ds = tr.s_ep.dispatch(&tr.s_zeros, ids, &tr.ones, t)?;
-        ds.combine(&tr.s_rows, &mut tr.s_home)?;
+        let ds = cp.s_ep.dispatch(&cp.s_zeros, ids, &cp.ones, t)?;
+        ds.combine(&cp.s_rows, &mut cp.s_home)?;
         kernels.launch(
             s,
             ColumnsToF32 {
                 rows: t,
-                width: tr.s_width,
+                width: cp.s_width,
                 cols: k,
-                input: &tr.s_home,
+                input: &cp.s_home,
                 out: &mut grads.d_topk_weights,
             },
         )?;
-        if last.routed {
-            route_backward(
-                &c,
-                s,
-                t,
-                &tr.logits,
-                ids,
-                &grads.d_topk_weights,
-                &mut grads.d_logits,
-            )?;
-        }
         Ok(())
+    }
+
+    /// Pulled rows: the forward's own exchange carries dy out (gathered by this rank from
+    /// the homes, with x), the values stay home (computed from the slots there), and each
+    /// dx row goes into its token's slot at home through the gate_up dgrad's store.
+    fn pulled<G, X>(
+        &self,
+        parts: &mut Parts<'_>,
+        dy: &G,
+        dx: &mut X,
+        grads: &mut EpGradients,
+    ) -> Result<(), EpError>
+    where
+        G: DevicePtr<bf16>,
+        X: DevicePtrMut<bf16>,
+    {
+        let (tr, ids, gws) = (&mut *parts.train, parts.ids, &mut *parts.gemm_ws);
+        let (gemm, act, weights, s) = (self.gemm, self.act, self.weights, self.s);
+        let (t, rows, local, acc) = (self.t, self.rows, self.local, self.acc);
+        let (d, w) = (self.cfg.hidden, self.cfg.gate_up_width());
+        // d_topk_weights at home, w · dy and x of every received row here.
+        let b = parts.ep.backward_pull(
+            dy,
+            ids,
+            t,
+            &mut grads.d_topk_weights,
+            &mut tr.dy_perm,
+            &mut tr.x_rows,
+        )?;
+        let offsets = b.offsets();
+        let count = offsets.slice(local - 1..);
+        gemm.run(
+            &tr.down_dgrad,
+            s,
+            offsets,
+            &tr.dy_perm,
+            &weights.down,
+            &mut tr.dh,
+            gws,
+        )?;
+        gemm.run(
+            &tr.down_wgrad[acc],
+            s,
+            offsets,
+            &tr.dy_perm,
+            parts.h,
+            &mut grads.d_down,
+            gws,
+        )?;
+        let live = Rows::from_device(&count, rows);
+        activation_backward(act, s, live, parts.h_pre, &tr.dh, &mut tr.d_h_pre)?;
+        gemm.run(
+            &tr.gate_up_wgrad[acc],
+            s,
+            offsets,
+            &tr.d_h_pre,
+            &tr.x_rows,
+            &mut grads.d_gate_up,
+            gws,
+        )?;
+        // dx = d_h_pre · W_gate_up, each row stored into its token's slot at home.
+        let dst = b.row_destinations();
+        let dgrad = DownScatter {
+            rows,
+            experts: local,
+            hidden: d,
+            intermediate: w,
+            weights: ScatterWeights::InByOut,
+            offsets,
+            h: &tr.d_h_pre,
+            w: &weights.gate_up,
+            dst: &dst,
+        };
+        gemm.kernels().launch(s, dgrad)?;
+        drop(dst);
+        Ok(b.combine(ids, dx)?)
     }
 }

@@ -84,7 +84,7 @@ pub(crate) struct ExchangeLayer {
 /// The layer's buffers a backward reads and writes at once.
 pub(crate) struct Parts<'a> {
     pub(crate) train: &'a mut crate::backward::Training,
-    pub(crate) ep: &'a ExpertParallel,
+    pub(crate) ep: &'a mut ExpertParallel,
     pub(crate) ids: &'a CudaSlice<i32>,
     pub(crate) gemm_ws: &'a mut CudaSlice<u8>,
     pub(crate) y_e: &'a CudaSlice<bf16>,
@@ -125,7 +125,7 @@ impl ExchangeLayer {
         );
         let fused_ok = gate_up_fused_supported(stream)?;
         let exchange = EpConfig::new(config.experts, k, d, max_tokens);
-        let ep = match delivery.resolve(mode, fused_ok, runtime.ranks())? {
+        let ep = match delivery.resolve(fused_ok, runtime.ranks())? {
             // Auto falls back to copies where the peers are not load/store reachable: every
             // rank meets the same reachability (one NVLink domain or not), so all of them
             // fall back together. An explicit Pull fails instead.
@@ -151,7 +151,7 @@ impl ExchangeLayer {
         let train = match mode {
             Mode::Inference => None,
             Mode::Training => Some(crate::backward::Training::new(
-                runtime, stream, &gemm, &config, max_tokens, local, rows,
+                runtime, stream, &gemm, &config, max_tokens, local, rows, pull,
             )?),
         };
         let ws = [&gate_up, &down]
@@ -173,7 +173,9 @@ impl ExchangeLayer {
             // Pulled rows always take the fused gate_up: h_pre only for a backward.
             h_pre: stream.alloc_zeros(if pull && train.is_none() { 1 } else { rows * w })?,
             h: stream.alloc_zeros(rows * i)?,
-            y_e: stream.alloc_zeros(if pull && train.is_none() { 1 } else { rows * d })?,
+            // Pulled: expert outputs go straight to the homes' slots (the backward reads
+            // them there), never into a local y_e.
+            y_e: stream.alloc_zeros(if pull { 1 } else { rows * d })?,
             kernels: Kernels::new(stream.context())?,
             fused_ok,
             pull,
@@ -216,7 +218,7 @@ impl ExchangeLayer {
         Some((
             Parts {
                 train,
-                ep: &self.ep,
+                ep: &mut self.ep,
                 ids: &self.ids,
                 gemm_ws: &mut self.gemm_ws,
                 y_e: &self.y_e,
@@ -390,11 +392,13 @@ impl ExchangeLayer {
         Ok(d.combine(&self.y_e, y)?)
     }
 
-    /// The forward with rows pulled (Inference, one NVLink domain): the dispatch moves only
+    /// The forward with rows pulled (one NVLink domain): the dispatch moves only
     /// routing, the fused gate_up's producer reads every received row at its home rank
     /// (peer addresses), the down GEMM's epilogue writes every output row into its token's
     /// slot at home, and each rank sums its tokens' slots in slot order: no staged, received
-    /// or expert-output row buffer, and the single-GPU layer's combine arithmetic.
+    /// or expert-output row buffer, and the single-GPU layer's combine arithmetic. Training
+    /// keeps h_pre; the received rows' table and the homes' slots stay in the exchange for
+    /// the backward.
     fn forward_pulled<X, Y>(
         &mut self,
         weights: &LocalWeights<'_>,
@@ -423,7 +427,11 @@ impl ExchangeLayer {
             },
             w: &weights.gate_up,
         };
-        gate_up_fused(&self.act, s, inputs, &mut self.h, None, &mut self.errors)?;
+        let h_pre = self
+            .train
+            .is_some()
+            .then_some(&mut self.h_pre as &mut dyn DevicePtrMut<bf16>);
+        gate_up_fused(&self.act, s, inputs, &mut self.h, h_pre, &mut self.errors)?;
         // The down GEMM stores each row's output straight into its token's slot at home;
         // combine_slots then sums every token's slots there, as the single-GPU combine.
         let dst = d.row_destinations();
@@ -503,20 +511,22 @@ pub enum RowDelivery {
     /// Each token row is copied once to every rank that holds one of its experts, into
     /// that rank's expert-major buffer (any world, any mode).
     Copy,
-    /// Rows stay home: the dispatch sends only routing, and the receivers' fused gate_up
-    /// reads each row in place over NVLink. Inference only (a Training forward keeps the
-    /// received rows for the weight gradients); needs the fused gate_up (sm_90a), 2 to
-    /// [`MAX_PULL_RANKS`] ranks, all reachable by load/store. Saves the staging and
-    /// expert-major row buffers and one write and read of every received row.
+    /// Rows stay home: the dispatch sends only routing, the receivers' fused gate_up reads
+    /// each row in place over NVLink, and the down GEMM stores each output row into its
+    /// token's slot at home; the backward gathers `w · dy` and `x` rows from the homes the
+    /// same way, computes `d_topk_weights` at home from the slots, and stores each `dx` row
+    /// into its token's slot at home. Needs the fused gate_up (sm_90a), 2 to
+    /// [`MAX_PULL_RANKS`] ranks, all reachable by load/store. Saves the staging,
+    /// expert-major and expert-output row buffers and the backward's value exchange.
     Pull,
 }
 
 impl RowDelivery {
-    /// The delivery a layer of `cfg` in `mode` uses (`fused_ok`: the device runs the fused
-    /// gate_up): [`RowDelivery::Copy`] or [`RowDelivery::Pull`] (a Pull that cannot apply is
-    /// an error).
-    pub(crate) fn resolve(self, mode: Mode, fused_ok: bool, ranks: usize) -> Result<Self, EpError> {
-        let possible = mode == Mode::Inference && fused_ok && (2..=MAX_PULL_RANKS).contains(&ranks);
+    /// The delivery a layer uses (`fused_ok`: the device runs the fused gate_up; `ranks`
+    /// in the world): [`RowDelivery::Copy`] or [`RowDelivery::Pull`] (a Pull that cannot
+    /// apply is an error).
+    pub(crate) fn resolve(self, fused_ok: bool, ranks: usize) -> Result<Self, EpError> {
+        let possible = fused_ok && (2..=MAX_PULL_RANKS).contains(&ranks);
         let asked = match (self, std::env::var("MOEFUSE_EP_ROWS").ok().as_deref()) {
             (RowDelivery::Auto, Some("pull")) if possible => RowDelivery::Pull,
             (RowDelivery::Auto, _) => RowDelivery::Copy,
@@ -524,7 +534,7 @@ impl RowDelivery {
         };
         if asked == RowDelivery::Pull && !possible {
             return Err(EpError::Config(format!(
-                "RowDelivery::Pull needs an Inference layer ({mode:?}), a device that runs the fused gate_up (sm_90a: {fused_ok}) and 2..={MAX_PULL_RANKS} ranks ({ranks})"
+                "RowDelivery::Pull needs a device that runs the fused gate_up (sm_90a: {fused_ok}) and 2..={MAX_PULL_RANKS} ranks ({ranks})"
             )));
         }
         Ok(asked)
@@ -536,24 +546,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rows_are_pulled_only_when_asked_by_inference_layers_in_one_nvlink_domain() {
-        let pick = |d: RowDelivery, m: Mode, ok: bool, n: usize| d.resolve(m, ok, n).ok();
+    fn rows_are_pulled_only_when_asked_in_one_nvlink_domain() {
+        let pick = |d: RowDelivery, ok: bool, n: usize| d.resolve(ok, n).ok();
         let (auto, copy, pull) = (RowDelivery::Auto, RowDelivery::Copy, RowDelivery::Pull);
-        let (inf, train) = (Mode::Inference, Mode::Training);
         if std::env::var_os("MOEFUSE_EP_ROWS").is_none() {
-            assert_eq!(pick(auto, inf, true, 8), Some(copy));
+            assert_eq!(pick(auto, true, 8), Some(copy));
         }
-        assert_eq!(pick(auto, train, true, 8), Some(copy));
-        assert_eq!(pick(pull, inf, true, 8), Some(pull));
-        assert_eq!(pick(pull, inf, true, 2), Some(pull));
-        assert_eq!(pick(copy, inf, true, 8), Some(copy));
-        for (m, ok, n) in [
-            (train, true, 8),
-            (inf, false, 8),
-            (inf, true, 9),
-            (inf, true, 1),
-        ] {
-            assert!(pick(pull, m, ok, n).is_none(), "{m:?} {ok} {n}");
+        assert_eq!(pick(pull, true, 8), Some(pull));
+        assert_eq!(pick(pull, true, 2), Some(pull));
+        assert_eq!(pick(copy, true, 8), Some(copy));
+        for (ok, n) in [(false, 8), (true, 9), (true, 1)] {
+            assert!(pick(pull, ok, n).is_none(), "{ok} {n}");
         }
     }
 }

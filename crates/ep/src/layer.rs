@@ -87,8 +87,9 @@ impl EpMoeLayer {
 
     /// [`EpMoeLayer::with_mode`] with the forward's row delivery chosen ([`RowDelivery`]):
     /// `Auto` copies (see [`RowDelivery::Auto`]); an explicit `Pull` that cannot apply (a
-    /// Training layer, a device without the fused gate_up, more than 8 ranks, peers not
-    /// load/store reachable) is an error on every rank. At one rank nothing is exchanged, whatever `delivery` says.
+    /// device without the fused gate_up, more than 8 ranks, peers not load/store
+    /// reachable) is an error on every rank. Both modes pull (the backward too). At one
+    /// rank nothing is exchanged, whatever `delivery` says.
     ///
     /// ```no_run
     /// # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>,
@@ -298,7 +299,8 @@ impl EpMoeLayer {
     /// Gradients of the last forward for `dy [T, D]` (this rank's tokens): `dx [T, D]`, and
     /// into `grads` the local experts' weight gradients (added to their content when
     /// `accumulate`), `d_topk_weights`, and `d_logits` when the forward routed from
-    /// logits. Collective; needs a Training layer and a forward that returned `Ok`.
+    /// logits. Collective; needs a Training layer and a forward that returned `Ok` (with
+    /// pulled rows, one backward per forward: the backward reuses the forward's slots).
     ///
     /// ```no_run
     /// # fn demo(layer: &mut moefuse_ep::EpMoeLayer, w: &moefuse_ep::LocalWeights<'_>,

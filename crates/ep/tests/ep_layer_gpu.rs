@@ -88,8 +88,14 @@ fn problem(cfg: &MoeConfig, tokens: &[usize], seed: u64) -> Problem {
     }
 }
 
-/// This rank's forward against the reference's rows of its tokens.
-fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<f64, String> {
+/// This rank's Training forward and backward against the reference's rows of its tokens,
+/// with the rows delivered by `delivery` (from two ranks on).
+fn check_rank(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    seed: u64,
+    delivery: RowDelivery,
+) -> Result<f64, String> {
     let cfg = config();
     let (ranks, rank) = (rt.ranks(), rt.rank());
     let tokens = tokens_of(ranks);
@@ -110,17 +116,27 @@ fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<
     let t = tokens[rank];
     let max_tokens = *tokens.iter().max().unwrap_or(&1);
     let mut layer =
-        EpMoeLayer::with_mode(rt, stream, cfg, max_tokens.max(1), Mode::Training).map_err(e)?;
+        EpMoeLayer::with_delivery(rt, stream, cfg, max_tokens.max(1), Mode::Training, delivery)
+            .map_err(e)?;
     let (local, e0) = (layer.local_experts(), layer.first_expert());
     // What the layer holds: no exchange at one rank; from two ranks the forward's and the
     // backward's two, the forward's sized for every rank's max_tokens tokens (no capacity
     // factor) and its staging rows on the symmetric heap.
     let mem = layer.memory();
     let ranks = rt.ranks();
+    let staged = ranks * max_tokens.max(1);
     let sized = if ranks == 1 {
         mem.exchanges == 0 && mem.symmetric == 0 && mem.layer > 0
+    } else if layer.rows_pulled() {
+        // One exchange carries both passes: this rank's rows and slots on the symmetric
+        // heap (x, dy, k slots per token), no received row copies.
+        mem.exchanges == 1
+            && mem.staging_rows == staged
+            && mem.recv_rows == staged * k.min(local)
+            && mem.symmetric >= max_tokens.max(1) * d * 2 * (k + 2)
+            && mem.exchange_local < mem.recv_rows * d * 2
+            && mem.layer > 0
     } else {
-        let staged = ranks * max_tokens.max(1);
         mem.exchanges == 3
             && mem.staging_rows == staged
             && mem.recv_rows == staged * k.min(local)
@@ -212,7 +228,8 @@ fn check_rank(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<
     let want_dn = &grads.d_down[e0 * d * i..(e0 + local) * d * i];
     check_close(&got, want_dn, 2e-2, &what("d_down"))?;
     println!(
-        "rank {rank} of {ranks}: {t} tokens, experts {e0}..{}, y rel err {err:.2e}, backward ok (of {total} tokens)",
+        "rank {rank} of {ranks} ({delivery:?} rows, pulled: {}): {t} tokens, experts {e0}..{}, y rel err {err:.2e}, backward ok (of {total} tokens)",
+        layer.rows_pulled(),
         e0 + local
     );
     Ok(err)
@@ -414,7 +431,7 @@ fn one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let id = UniqueId::create(&lib).map_err(e)?;
     let rt = Runtime::init(&lib, ctx, &id, 0, 1).map_err(e)?;
     let stream = ctx.new_stream().map_err(e)?;
-    check_rank(&rt, &stream, Rng::fresh_seed()).map(|_| ())
+    check_rank(&rt, &stream, Rng::fresh_seed(), RowDelivery::Auto).map(|_| ())
 }
 
 /// N ranks of this binary on one GPU (time-sliced contexts).
@@ -441,7 +458,15 @@ fn rank_main() -> Result<(), String> {
     // The per-thread default stream, and no stream of our own on this context: cudarc then
     // records no per-buffer events, which must not enter the pulled layer's captured graph.
     let stream = ctx.per_thread_stream();
-    check_rank(&rt, &stream, seed)?;
+    check_rank(&rt, &stream, seed, RowDelivery::Copy)?;
+    if moefuse::gpu::gate_up_fused_supported(&stream).map_err(e)? {
+        check_rank(&rt, &stream, seed ^ 0x70, RowDelivery::Pull)?;
+    } else {
+        println!(
+            "rank {}: pulled Training SKIPPED: no fused gate_up on this device",
+            rt.rank()
+        );
+    }
     check_pulled(&rt, &stream, seed ^ 0x9011)
 }
 

@@ -301,6 +301,11 @@ impl ExpertParallel {
 }
 
 impl PullBackward<'_> {
+    /// The forward's per-local-expert row ends (the received rows' grouping), on the device.
+    pub fn offsets(&self) -> &CudaSlice<i32> {
+        &self.ep.local.recv_offsets
+    }
+
     /// Where each received row's `dx` row goes: its token's slot on the token's home rank
     /// (the forward's table; `hidden` bf16 each), for the dgrad's scattered store
     /// ([`DownScatter`](moefuse_kernels::DownScatter)).
