@@ -7,7 +7,8 @@
 //! `bf16(s_e · x[token])` exactly and the test needs no GEMM reference; the rows the GEMM
 //! reads are the model's received rows, built on the host. At 1 PE in this process and at
 //! 2 and 4 PEs on one GPU through the launcher, for uniform, skewed, last-rank-sends-
-//! nothing, top-1, top-16 and single-token routing, twice each (epochs and buffer reuse).
+//! nothing, upper-ranks-receive-nothing, top-1, top-16 and single-token routing, twice each
+//! (epochs and buffer reuse).
 //! Without a GPU (or on a device without the sm_90a MoE kernels) every test says SKIPPED.
 
 #![forbid(unsafe_code)]
@@ -34,6 +35,8 @@ struct Case {
     name: &'static str,
     top_k: usize,
     skewed: bool,
+    /// Experts drawn from the lower half only: the upper ranks receive nothing.
+    lower_half: bool,
     /// Tokens of rank r: `tokens + 29 r`, or 0 for the last of several ranks when set.
     tokens: usize,
     last_rank_empty: bool,
@@ -44,6 +47,7 @@ fn cases() -> Vec<Case> {
         name,
         top_k,
         skewed,
+        lower_half: false,
         tokens,
         last_rank_empty,
     };
@@ -51,6 +55,10 @@ fn cases() -> Vec<Case> {
         c("uniform", 4, false, 700, false),
         c("skewed", 4, true, 900, false),
         c("last_rank_sends_nothing", 4, false, 500, true),
+        Case {
+            lower_half: true,
+            ..c("upper_ranks_receive_nothing", 2, false, 600, false)
+        },
         c("top1", 1, false, 800, false),
         c("top16_every_expert", 16, false, 200, false),
         c("single_token", 4, true, 1, false),
@@ -74,12 +82,17 @@ fn inputs(case: &Case, seed: u64, rank: usize, t: usize) -> (Vec<bf16>, Vec<i32>
     let (mut ids, mut ws) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
     for _ in 0..t {
         let mut chosen: Vec<i32> = Vec::with_capacity(k);
+        let pool = if case.lower_half {
+            EXPERTS / 2
+        } else {
+            EXPERTS
+        };
         while chosen.len() < k {
             let u = (rng.uniform() + 1.0) / 2.0;
             let id = if case.skewed {
-                ((EXPERTS as f32).powf(u * u * u) - 1.0) as usize % EXPERTS
+                ((pool as f32).powf(u * u * u) - 1.0) as usize % pool
             } else {
-                rng.below(EXPERTS)
+                rng.below(pool)
             } as i32;
             if !chosen.contains(&id) {
                 chosen.push(id);
