@@ -37,15 +37,21 @@ pub type EpGradients = moefuse::gpu::Gradients;
 
 /// A Training layer's backward state.
 pub(crate) struct Training {
+    logits: CudaSlice<f32>,
+    /// The local experts' part, both deliveries.
+    local: LocalPart,
+    /// What only the copied rows' backward needs; `None` when rows are pulled.
+    copied: Option<Copied>,
+}
+
+/// The local experts' backward on the received rows: plans and buffers.
+struct LocalPart {
     down_dgrad: GroupedPlan,
     down_wgrad: [GroupedPlan; 2],
     gate_up_wgrad: [GroupedPlan; 2],
-    logits: CudaSlice<f32>,
     dy_perm: CudaSlice<bf16>,
     dh: CudaSlice<bf16>,
     d_h_pre: CudaSlice<bf16>,
-    /// What only the copied rows' backward needs; `None` when rows are pulled.
-    copied: Option<Copied>,
     /// Pulled rows: the received rows' x, gathered from the homes (one element otherwise).
     x_rows: CudaSlice<bf16>,
 }
@@ -70,7 +76,8 @@ struct Copied {
 impl Training {
     /// The backward's two exchanges and its own buffers into `m`.
     pub(crate) fn add_memory(&self, m: &mut crate::EpLayerMemory) {
-        let mut bf16s = self.dy_perm.len() + self.dh.len() + self.d_h_pre.len() + self.x_rows.len();
+        let l = &self.local;
+        let mut bf16s = l.dy_perm.len() + l.dh.len() + l.d_h_pre.len() + l.x_rows.len();
         let mut words = self.logits.len();
         if let Some(c) = &self.copied {
             m.add_exchange(c.dy_ep.memory());
@@ -109,24 +116,26 @@ impl Training {
             )?)
         };
         Ok(Training {
-            down_dgrad: gemm.plan(&GroupedDesc::dgrad(local, rows, d, i, BLayout::Nk))?,
-            down_wgrad: wgrad(d, i)?,
-            gate_up_wgrad: wgrad(w, d)?,
             logits: stream.alloc_zeros::<f32>((max_tokens * e).max(1))?,
-            dy_perm: z16(rows * d)?,
-            dh: z16(rows * i)?,
-            d_h_pre: z16(rows * w)?,
+            local: LocalPart {
+                down_dgrad: gemm.plan(&GroupedDesc::dgrad(local, rows, d, i, BLayout::Nk))?,
+                down_wgrad: wgrad(d, i)?,
+                gate_up_wgrad: wgrad(w, d)?,
+                dy_perm: z16(rows * d)?,
+                dh: z16(rows * i)?,
+                d_h_pre: z16(rows * w)?,
+                x_rows: z16(if pulled { rows * d } else { 1 })?,
+            },
             copied,
-            x_rows: z16(if pulled { rows * d } else { 1 })?,
         })
     }
 
     pub(crate) fn plans(&self) -> impl Iterator<Item = &GroupedPlan> {
-        [&self.down_dgrad]
+        [&self.local.down_dgrad]
             .into_iter()
             .chain(self.copied.iter().map(|c| &c.gate_up_dgrad))
-            .chain(self.down_wgrad.iter())
-            .chain(self.gate_up_wgrad.iter())
+            .chain(self.local.down_wgrad.iter())
+            .chain(self.local.gate_up_wgrad.iter())
     }
 
     pub(crate) fn save_logits(
@@ -280,6 +289,50 @@ struct Ctx<'a, 'w> {
 }
 
 impl Ctx<'_, '_> {
+    /// The local experts' part, on the received rows (whichever way they came): `dh = dy_w ·
+    /// W_down`, `dW_down (+)= dy_wᵀ · h`, the activation backward into `d_h_pre`, and
+    /// `dW_gate_up (+)= d_h_preᵀ · x` over `x_rows` (`None`: the pulled rows' `tr.x_rows`).
+    #[allow(clippy::too_many_arguments)]
+    fn local_experts(
+        &self,
+        tr: &mut LocalPart,
+        h: &CudaSlice<bf16>,
+        h_pre: &CudaSlice<bf16>,
+        offsets: &CudaSlice<i32>,
+        x_rows: Option<&CudaSlice<bf16>>,
+        grads: &mut EpGradients,
+        gws: &mut CudaSlice<u8>,
+    ) -> Result<(), EpError> {
+        let (gemm, s, acc) = (self.gemm, self.s, self.acc);
+        let down = &self.weights.down;
+        gemm.run(
+            &tr.down_dgrad,
+            s,
+            offsets,
+            &tr.dy_perm,
+            down,
+            &mut tr.dh,
+            gws,
+        )?;
+        let d_down = &mut grads.d_down;
+        gemm.run(&tr.down_wgrad[acc], s, offsets, &tr.dy_perm, h, d_down, gws)?;
+        let count = offsets.slice(self.local - 1..);
+        let live = Rows::from_device(&count, self.rows);
+        activation_backward(self.act, s, live, h_pre, &tr.dh, &mut tr.d_h_pre)?;
+        let x = x_rows.unwrap_or(&tr.x_rows);
+        let d_gate_up = &mut grads.d_gate_up;
+        gemm.run(
+            &tr.gate_up_wgrad[acc],
+            s,
+            offsets,
+            &tr.d_h_pre,
+            x,
+            d_gate_up,
+            gws,
+        )?;
+        Ok(())
+    }
+
     /// Copied rows: dy out and dx back through the second exchange, the values through the
     /// third.
     fn copied<G, X>(
@@ -299,8 +352,9 @@ impl Ctx<'_, '_> {
                 "a pulled layer has no copied backward".into(),
             ));
         };
-        let (gemm, act, weights, s) = (self.gemm, self.act, self.weights, self.s);
-        let (t, rows, local, acc) = (self.t, self.rows, self.local, self.acc);
+        let lp = &mut tr.local;
+        let (gemm, weights, s) = (self.gemm, self.weights, self.s);
+        let (t, rows, local) = (self.t, self.rows, self.local);
         let (d, k) = (self.cfg.hidden, self.cfg.top_k);
         // The forward's received rows, weights, offsets and origins, still in its exchange's
         // buffers (the backward's own exchanges leave them alone).
@@ -320,49 +374,18 @@ impl Ctx<'_, '_> {
             w_recv,
             dd.x(),
             parts.y_e,
-            &mut tr.dy_perm,
+            &mut lp.dy_perm,
             &mut cp.s,
             &mut cp.errors,
         )?;
-        let off = offsets;
-        gemm.run(
-            &tr.down_dgrad,
-            s,
-            off,
-            &tr.dy_perm,
-            &weights.down,
-            &mut tr.dh,
-            gws,
-        )?;
-        gemm.run(
-            &tr.down_wgrad[acc],
-            s,
-            off,
-            &tr.dy_perm,
-            parts.h,
-            &mut grads.d_down,
-            gws,
-        )?;
-        let live = Rows::from_device(&count, rows);
-        activation_backward(act, s, live, parts.h_pre, &tr.dh, &mut tr.d_h_pre)?;
-        let gu = &weights.gate_up;
+        self.local_experts(lp, parts.h, parts.h_pre, offsets, Some(x_recv), grads, gws)?;
         gemm.run(
             &cp.gate_up_dgrad,
             s,
-            off,
-            &tr.d_h_pre,
-            gu,
+            offsets,
+            &lp.d_h_pre,
+            &weights.gate_up,
             &mut cp.dx_perm,
-            gws,
-        )?;
-        let d_gu = &mut grads.d_gate_up;
-        gemm.run(
-            &tr.gate_up_wgrad[acc],
-            s,
-            off,
-            &tr.d_h_pre,
-            x_recv,
-            d_gu,
             gws,
         )?;
         dd.combine(&cp.dx_perm, dx)?;
@@ -412,49 +435,21 @@ impl Ctx<'_, '_> {
         X: DevicePtrMut<bf16>,
     {
         let (tr, ids, gws) = (&mut *parts.train, parts.ids, &mut *parts.gemm_ws);
-        let (gemm, act, weights, s) = (self.gemm, self.act, self.weights, self.s);
-        let (t, rows, local, acc) = (self.t, self.rows, self.local, self.acc);
+        let (gemm, weights, s) = (self.gemm, self.weights, self.s);
+        let (t, rows, local) = (self.t, self.rows, self.local);
         let (d, w) = (self.cfg.hidden, self.cfg.gate_up_width());
         // d_topk_weights at home, w · dy and x of every received row here.
+        let lp = &mut tr.local;
         let b = parts.ep.backward_pull(
             dy,
             ids,
             t,
             &mut grads.d_topk_weights,
-            &mut tr.dy_perm,
-            &mut tr.x_rows,
+            &mut lp.dy_perm,
+            &mut lp.x_rows,
         )?;
         let offsets = b.offsets();
-        let count = offsets.slice(local - 1..);
-        gemm.run(
-            &tr.down_dgrad,
-            s,
-            offsets,
-            &tr.dy_perm,
-            &weights.down,
-            &mut tr.dh,
-            gws,
-        )?;
-        gemm.run(
-            &tr.down_wgrad[acc],
-            s,
-            offsets,
-            &tr.dy_perm,
-            parts.h,
-            &mut grads.d_down,
-            gws,
-        )?;
-        let live = Rows::from_device(&count, rows);
-        activation_backward(act, s, live, parts.h_pre, &tr.dh, &mut tr.d_h_pre)?;
-        gemm.run(
-            &tr.gate_up_wgrad[acc],
-            s,
-            offsets,
-            &tr.d_h_pre,
-            &tr.x_rows,
-            &mut grads.d_gate_up,
-            gws,
-        )?;
+        self.local_experts(lp, parts.h, parts.h_pre, offsets, None, grads, gws)?;
         // dx = d_h_pre · W_gate_up, each row stored into its token's slot at home.
         let dst = b.row_destinations();
         let dgrad = DownScatter {
@@ -464,7 +459,7 @@ impl Ctx<'_, '_> {
             intermediate: w,
             weights: ScatterWeights::InByOut,
             offsets,
-            h: &tr.d_h_pre,
+            h: &lp.d_h_pre,
             w: &weights.gate_up,
             dst: &dst,
         };

@@ -11,20 +11,20 @@
 
 #![forbid(unsafe_code)]
 
+mod common;
+
+use common::e;
+
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::Mode;
 use moefuse::model::MoeWeights;
 use moefuse::reference::{backward, forward, RoutingInput};
 use moefuse::{MoeConfig, RouterKind};
-use moefuse_comm::{LaunchEnv, Library, Runtime, UniqueId};
+use moefuse_comm::Runtime;
 use moefuse_ep::{EpMoeLayer, EpRouting, LocalWeights, RowDelivery};
 use moefuse_testkit::{check_close, GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
-
-fn e<E: std::fmt::Display>(x: E) -> String {
-    x.to_string()
-}
 
 /// The layer every test runs: 16 experts of D 256, I 128, top-4 (E divisible by 1, 2, 4).
 fn config() -> MoeConfig {
@@ -426,38 +426,15 @@ fn replay_pulled(
     Ok(())
 }
 
-fn one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let lib = Library::load(None).map_err(e)?;
-    let id = UniqueId::create(&lib).map_err(e)?;
-    let rt = Runtime::init(&lib, ctx, &id, 0, 1).map_err(e)?;
-    let stream = ctx.new_stream().map_err(e)?;
+fn one_pe_layer(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let (rt, stream) = common::one_pe(ctx)?;
     check_rank(&rt, &stream, Rng::fresh_seed(), RowDelivery::Auto).map(|_| ())
 }
 
-/// N ranks of this binary on one GPU (time-sliced contexts).
-fn n_pes(n: usize) -> Result<(), String> {
-    let seed = Rng::fresh_seed();
-    moefuse_testkit::relaunch(
-        n,
-        moefuse_testkit::scaled_secs(120),
-        &[("MOEFUSE_TEST_SEED", seed.to_string())],
-        &format!("{n} PEs, seed {seed}"),
-    )
-}
-
-/// A child of `n_pes`: join the job, run this rank's forward.
+/// A child of `common::n_pes`: the Training checks with copied and pulled rows, then the
+/// pulled Inference forward.
 fn rank_main() -> Result<(), String> {
-    let env = LaunchEnv::from_env().map_err(e)?.ok_or("not launched")?;
-    let seed: u64 = std::env::var("MOEFUSE_TEST_SEED")
-        .map_err(e)?
-        .parse()
-        .map_err(e)?;
-    let ctx = CudaContext::new(0).map_err(e)?;
-    let lib = Library::load(None).map_err(e)?;
-    let rt = Runtime::join_launched(&lib, &ctx, &env).map_err(e)?;
-    // The per-thread default stream, and no stream of our own on this context: cudarc then
-    // records no per-buffer events, which must not enter the pulled layer's captured graph.
-    let stream = ctx.per_thread_stream();
+    let (rt, stream, seed) = common::join()?;
     check_rank(&rt, &stream, seed, RowDelivery::Copy)?;
     if moefuse::gpu::gate_up_fused_supported(&stream).map_err(e)? {
         check_rank(&rt, &stream, seed ^ 0x70, RowDelivery::Pull)?;
@@ -481,8 +458,8 @@ fn main() {
         });
     }
     GpuSuite::new()
-        .test("ep_layer_one_pe", one_pe)
-        .test("ep_layer_2_pes_one_gpu", |_| n_pes(2))
-        .test("ep_layer_4_pes_one_gpu", |_| n_pes(4))
+        .test("ep_layer_one_pe", one_pe_layer)
+        .test("ep_layer_2_pes_one_gpu", |_| common::n_pes(2, 120))
+        .test("ep_layer_4_pes_one_gpu", |_| common::n_pes(4, 120))
         .run()
 }

@@ -13,11 +13,13 @@
 
 #![forbid(unsafe_code)]
 
+mod common;
+
+use common::e;
+
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
-use moefuse_comm::{
-    EpConfig, ExpertParallel, LaunchEnv, Library, ReceiveLayout, Runtime, SendPlan, UniqueId,
-};
+use moefuse_comm::{EpConfig, ExpertParallel, ReceiveLayout, Runtime, SendPlan};
 use moefuse_kernels::{DownScatter, Kernels, ScatterWeights};
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
@@ -25,10 +27,6 @@ use std::sync::Arc;
 const EXPERTS: usize = 16;
 const HIDDEN: usize = 1024;
 const MAX_TOKENS: usize = 1024;
-
-fn e<E: std::fmt::Display>(x: E) -> String {
-    x.to_string()
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Case {
@@ -269,33 +267,12 @@ fn all_cases(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<(
 }
 
 fn one_pe(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let lib = Library::load(None).map_err(e)?;
-    let id = UniqueId::create(&lib).map_err(e)?;
-    let rt = Runtime::init(&lib, ctx, &id, 0, 1).map_err(e)?;
-    let stream = ctx.new_stream().map_err(e)?;
+    let (rt, stream) = common::one_pe(ctx)?;
     all_cases(&rt, &stream, Rng::fresh_seed())
 }
 
-fn n_pes(n: usize) -> Result<(), String> {
-    let seed = Rng::fresh_seed();
-    moefuse_testkit::relaunch(
-        n,
-        moefuse_testkit::scaled_secs(180),
-        &[("MOEFUSE_TEST_SEED", seed.to_string())],
-        &format!("{n} PEs, seed {seed}"),
-    )
-}
-
 fn rank_main() -> Result<(), String> {
-    let env = LaunchEnv::from_env().map_err(e)?.ok_or("not launched")?;
-    let seed: u64 = std::env::var("MOEFUSE_TEST_SEED")
-        .map_err(e)?
-        .parse()
-        .map_err(e)?;
-    let ctx = CudaContext::new(0).map_err(e)?;
-    let lib = Library::load(None).map_err(e)?;
-    let rt = Runtime::join_launched(&lib, &ctx, &env).map_err(e)?;
-    let stream = ctx.new_stream().map_err(e)?;
+    let (rt, stream, seed) = common::join()?;
     all_cases(&rt, &stream, seed)
 }
 
@@ -311,7 +288,7 @@ fn main() {
     }
     GpuSuite::new()
         .test("pulled_exchange_one_pe", one_pe)
-        .test("pulled_exchange_2_pes_one_gpu", |_| n_pes(2))
-        .test("pulled_exchange_4_pes_one_gpu", |_| n_pes(4))
+        .test("pulled_exchange_2_pes_one_gpu", |_| common::n_pes(2, 180))
+        .test("pulled_exchange_4_pes_one_gpu", |_| common::n_pes(4, 180))
         .run()
 }

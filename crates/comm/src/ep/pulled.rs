@@ -132,36 +132,65 @@ impl<'a> PullDispatch<'a> {
         W: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
-        let tokens = self.inner.tokens;
-        let ep = &mut *self.inner.ep;
-        ep.check()?;
-        let (k, d) = (ep.cfg.top_k, ep.cfg.hidden);
+        let (tokens, ep) = (self.inner.tokens, &mut *self.inner.ep);
+        let sig = ep.base.comb_sig;
+        ep.launch_slot_sum(tokens, topk_ids, Some(topk_weights), out, sig)
+    }
+}
+
+impl ExpertParallel {
+    /// slots_signal then combine_slots for `tokens` tokens over the signal row `sig`: the
+    /// forward's (comb_sig, `weights` given) or the backward's (bwd_comb_sig, weights 1).
+    fn launch_slot_sum<I, W, O>(
+        &mut self,
+        tokens: usize,
+        topk_ids: &I,
+        weights: Option<&W>,
+        out: &mut O,
+        sig: u64,
+    ) -> Result<(), CommError>
+    where
+        I: DevicePtr<i32>,
+        W: DevicePtr<f32>,
+        O: DevicePtrMut<bf16>,
+    {
+        self.check()?;
+        let (k, d) = (self.cfg.top_k, self.cfg.hidden);
         check_len("topk_ids", topk_ids.len(), tokens * k)?;
-        check_len("topk_weights", topk_weights.len(), tokens * k)?;
         check_len("out", out.len(), tokens * d)?;
-        let s = ep.stream.clone();
+        let s = self.stream.clone();
         let (ip, _is) = topk_ids.device_ptr(&s);
-        let (wp, _ws) = topk_weights.device_ptr(&s);
         let (op, _os) = out.device_ptr_mut(&s);
-        ep.operand("topk_ids", ip, 4, tokens * k)?;
-        ep.operand("topk_weights", wp, 4, tokens * k)?;
-        ep.operand("out", op, 16, tokens * d)?;
+        self.operand("topk_ids", ip, 4, tokens * k)?;
+        self.operand("out", op, 16, tokens * d)?;
+        let mut wp = 0;
+        let _wg = match weights {
+            Some(w) => {
+                check_len("topk_weights", w.len(), tokens * k)?;
+                let (p, guard) = w.device_ptr(&s);
+                self.operand("topk_weights", p, 4, tokens * k)?;
+                wp = p;
+                Some(guard)
+            }
+            None => None,
+        };
         let p = EpParams {
             tokens: tokens as i32,
             topk_ids: ip,
             topk_weights: wp,
             out: op,
-            ..ep.base
+            comb_sig: sig,
+            ..self.base
         };
-        // SAFETY: `p` mirrors `moefuse_ep_params`; the signal kernel touches only the epoch,
-        // the fault words and the signals; combine_slots reads y_slots (symmetric, owned by
-        // `ep`) and the caller's ids, weights and out, checked above and kept alive by
-        // their guards until the launches are queued.
+        // SAFETY: `p` mirrors `moefuse_ep_params`; slots_signal touches only the epoch, the
+        // fault words and the signal row `sig` (one of this instance's); combine_slots reads
+        // this rank's y_slots (symmetric, owned by `self`) and the caller's ids, weights and
+        // out, checked above and kept alive by their guards until the launches are queued.
         unsafe {
-            ep.module
-                .launch(ep.kernels.slots_signal, &s, 1, 32, 0, &p)?;
-            ep.module
-                .launch(ep.kernels.combine_slots, &s, ep.grid, 256, 0, &p)?;
+            self.module
+                .launch(self.kernels.slots_signal, &s, 1, 32, 0, &p)?;
+            self.module
+                .launch(self.kernels.combine_slots, &s, self.grid, 256, 0, &p)?;
         }
         Ok(())
     }
@@ -354,36 +383,10 @@ impl PullBackward<'_> {
         I: DevicePtr<i32>,
         O: DevicePtrMut<bf16>,
     {
-        let ep = &mut *self.ep;
-        ep.check()?;
-        let (k, d, t) = (ep.cfg.top_k, ep.cfg.hidden, self.tokens);
-        check_len("topk_ids", topk_ids.len(), t * k)?;
-        check_len("dx", dx.len(), t * d)?;
-        let s = ep.stream.clone();
-        let (ip, _is) = topk_ids.device_ptr(&s);
-        let (op, _os) = dx.device_ptr_mut(&s);
-        ep.operand("topk_ids", ip, 4, t * k)?;
-        ep.operand("dx", op, 16, t * d)?;
-        // The forward's combine kernels over the backward's signal row, weights 1.
-        let p = EpParams {
-            tokens: t as i32,
-            topk_ids: ip,
-            topk_weights: 0,
-            out: op,
-            comb_sig: ep.base.bwd_comb_sig,
-            ..ep.base
-        };
-        // SAFETY: `p` mirrors `moefuse_ep_params`; slots_signal touches only the epoch, the
-        // fault words and the signals (here the backward's row); combine_slots reads this
-        // rank's y_slots (symmetric, owned by `ep`) and the caller's ids and dx, checked
-        // above and kept alive by their guards until the launches are queued.
-        unsafe {
-            ep.module
-                .launch(ep.kernels.slots_signal, &s, 1, 32, 0, &p)?;
-            ep.module
-                .launch(ep.kernels.combine_slots, &s, ep.grid, 256, 0, &p)?;
-        }
-        Ok(())
+        let sig = self.ep.base.bwd_comb_sig;
+        let no_weights: Option<&CudaSlice<f32>> = None;
+        self.ep
+            .launch_slot_sum(self.tokens, topk_ids, no_weights, dx, sig)
     }
 }
 
