@@ -1,13 +1,13 @@
-//! The expert-parallel MoE layer (`moefuse-ep`, stream version) forward and backward,
-//! Qwen3-30B-A3B shapes, beside the single-GPU layer on the same inputs when run at one
-//! rank (what dispatch and combine cost over the permutation at EP = 1). CUDA events,
+//! The expert-parallel MoE layer (`moefuse-ep`) forward and backward, Qwen3-30B-A3B shapes,
+//! beside the single-GPU layer on the same inputs when run at one rank. CUDA events,
 //! warm-up, median [IQR], rotating inputs; the EP forward is checked against the single-GPU
 //! layer's output first (rel. err column). At `--ranks N` the program relaunches itself as N
 //! ranks (one GPU each where there are N GPUs, all on GPU 0 otherwise: correct, but the
-//! times are then time-sliced and mean nothing); rank 0 writes the JSON lines. From two
-//! ranks it also times the Inference forward with rows copied (`moefuse_ep_copy`) and
-//! pulled in place (`moefuse_ep_pull`, its rel. err against the copied output), and the
-//! Training forward and backward with pulled rows (`moefuse_ep_pull`).
+//! times are then time-sliced and mean nothing); rank 0 writes the JSON lines. Then, with
+//! rows copied (`moefuse_ep_copy`) and pulled in place (`moefuse_ep_pull`, its
+//! rel. err against the copied output) asked for explicitly (at one rank: the exchange
+//! against this rank alone), the Inference forward, the Training forward and forward +
+//! backward together (case suffix `fwdbwd`).
 //!
 //! `.device-pack/run.sh bench_ep_layer --out $OUT [--tokens 8192] [--ranks 1]`
 
@@ -217,44 +217,49 @@ fn bench(
         rec("moefuse_ep", "fwd", f, flops),
         rec("moefuse_ep", "bwd", b, 2.0 * flops),
     ];
-    // From two ranks: the Inference forward with rows copied and with rows pulled in place
-    // (RowDelivery), the pulled one checked against the copied one first.
-    if ranks > 1 {
-        drop(layer);
-        let mut inference = |delivery| -> Result<(EpMoeLayer, Vec<f32>), Error> {
-            let mut l = EpMoeLayer::with_delivery(rt, stream, cfg, t, Mode::Inference, delivery)?;
-            l.forward(&lw, &xs[0], t, ext(), &mut y)?;
-            let out = stream.clone_dtoh(&y)?.iter().map(|v| v.to_f32()).collect();
-            println!("  rank {rank}: {delivery:?} rows, memory {}", l.memory());
-            Ok((l, out))
-        };
-        let (mut copied, want) = inference(RowDelivery::Copy)?;
-        let (mut pulled, got) = inference(RowDelivery::Pull)?;
-        let e_pull = rel_err(&got, &want);
-        let mut time = |l: &mut EpMoeLayer| {
-            time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
-                Ok(l.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
-            })
-        };
-        let (fc, fp) = (time(&mut copied)?, time(&mut pulled)?);
-        out.push(rec("moefuse_ep_copy", "fwd-inference", fc, flops));
-        let mut pulled_rec = rec("moefuse_ep_pull", "fwd-inference", fp, flops);
-        pulled_rec.rel_err = e_pull;
-        out.push(pulled_rec);
-        drop((copied, pulled));
-        // Training with pulled rows: forward and backward (the copied Training layer's rows
-        // are the `moefuse_ep` ones above).
-        let mut tl =
-            EpMoeLayer::with_delivery(rt, stream, cfg, t, Mode::Training, RowDelivery::Pull)?;
+    // Both deliveries asked for explicitly (at one rank: the exchange against this rank
+    // alone, what it costs over the single-GPU layer): the Inference forward (the pulled
+    // output checked against the copied one), the Training forward, and forward + backward
+    // together (a pulled backward consumes its forward's slots: one backward per forward).
+    drop(layer);
+    let mut outputs = Vec::new();
+    for (delivery, backend) in [
+        (RowDelivery::Copy, "moefuse_ep_copy"),
+        (RowDelivery::Pull, "moefuse_ep_pull"),
+    ] {
+        let mut l = EpMoeLayer::with_delivery(rt, stream, cfg, t, Mode::Inference, delivery)?;
+        l.forward(&lw, &xs[0], t, ext(), &mut y)?;
+        outputs.push(
+            stream
+                .clone_dtoh(&y)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect::<Vec<_>>(),
+        );
+        println!("  rank {rank}: {delivery:?} rows, memory {}", l.memory());
+        let fi = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
+            Ok(l.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
+        })?;
+        drop(l);
+        let mut tl = EpMoeLayer::with_delivery(rt, stream, cfg, t, Mode::Training, delivery)?;
         let mut tg = tl.gradients()?;
         let tf = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
             Ok(tl.forward(&lw, &xs[s % sets], t, ext(), &mut y)?)
         })?;
-        let tb = time_stream(stream, 3, args.samples, |_| -> Result<(), Error> {
+        let tfb = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
+            tl.forward(&lw, &xs[s % sets], t, ext(), &mut y)?;
             Ok(tl.backward(&lw, &dy, &mut dx, &mut tg, false)?)
         })?;
-        out.push(rec("moefuse_ep_pull", "fwd", tf, flops));
-        out.push(rec("moefuse_ep_pull", "bwd", tb, 2.0 * flops));
+        let e_vs_copy = rel_err(&outputs[outputs.len() - 1], &outputs[0]);
+        for (phase, st, fl) in [
+            ("fwd-inference", fi, flops),
+            ("fwd", tf, flops),
+            ("fwdbwd", tfb, 3.0 * flops),
+        ] {
+            let mut r = rec(backend, phase, st, fl);
+            r.rel_err = e_vs_copy;
+            out.push(r);
+        }
     }
     if let Some((f1, b1)) = single {
         out.push(rec("moefuse", "fwd", f1, flops));

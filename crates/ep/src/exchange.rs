@@ -515,7 +515,7 @@ pub enum RowDelivery {
     /// each row in place over NVLink, and the down GEMM stores each output row into its
     /// token's slot at home; the backward gathers `w · dy` and `x` rows from the homes the
     /// same way, computes `d_topk_weights` at home from the slots, and stores each `dx` row
-    /// into its token's slot at home. Needs the fused gate_up (sm_90a), 2 to
+    /// into its token's slot at home. Needs the fused gate_up (sm_90a), at most
     /// [`MAX_PULL_RANKS`] ranks, all reachable by load/store. Saves the staging,
     /// expert-major and expert-output row buffers and the backward's value exchange.
     Pull,
@@ -526,7 +526,7 @@ impl RowDelivery {
     /// in the world): [`RowDelivery::Copy`] or [`RowDelivery::Pull`] (a Pull that cannot
     /// apply is an error).
     pub(crate) fn resolve(self, fused_ok: bool, ranks: usize) -> Result<Self, EpError> {
-        let possible = fused_ok && (2..=MAX_PULL_RANKS).contains(&ranks);
+        let possible = fused_ok && (1..=MAX_PULL_RANKS).contains(&ranks);
         let asked = match (self, std::env::var("MOEFUSE_EP_ROWS").ok().as_deref()) {
             (RowDelivery::Auto, Some("pull")) if possible => RowDelivery::Pull,
             (RowDelivery::Auto, _) => RowDelivery::Copy,
@@ -534,7 +534,7 @@ impl RowDelivery {
         };
         if asked == RowDelivery::Pull && !possible {
             return Err(EpError::Config(format!(
-                "RowDelivery::Pull needs a device that runs the fused gate_up (sm_90a: {fused_ok}) and 2..={MAX_PULL_RANKS} ranks ({ranks})"
+                "RowDelivery::Pull needs a device that runs the fused gate_up (sm_90a: {fused_ok}) and 1..={MAX_PULL_RANKS} ranks ({ranks})"
             )));
         }
         Ok(asked)
@@ -555,7 +555,8 @@ mod tests {
         assert_eq!(pick(pull, true, 8), Some(pull));
         assert_eq!(pick(pull, true, 2), Some(pull));
         assert_eq!(pick(copy, true, 8), Some(copy));
-        for (ok, n) in [(false, 8), (true, 9), (true, 1)] {
+        assert_eq!(pick(pull, true, 1), Some(pull));
+        for (ok, n) in [(false, 8), (true, 9), (true, 0)] {
             assert!(pick(pull, ok, n).is_none(), "{ok} {n}");
         }
     }

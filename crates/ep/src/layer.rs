@@ -89,7 +89,8 @@ impl EpMoeLayer {
     /// `Auto` copies (see [`RowDelivery::Auto`]); an explicit `Pull` that cannot apply (a
     /// device without the fused gate_up, more than 8 ranks, peers not load/store
     /// reachable) is an error on every rank. Both modes pull (the backward too). At one
-    /// rank nothing is exchanged, whatever `delivery` says.
+    /// rank `Auto` is the single-GPU layer, and an explicit `Copy` or `Pull` runs the
+    /// exchange against this rank alone (to measure what the exchange costs).
     ///
     /// ```no_run
     /// # fn demo(rt: &std::sync::Arc<moefuse_comm::Runtime>,
@@ -98,7 +99,7 @@ impl EpMoeLayer {
     /// use moefuse_ep::{EpMoeLayer, RowDelivery};
     /// let cfg = moefuse::MoeConfig::new(2048, 768, 128, 8);
     /// let layer = EpMoeLayer::with_delivery(rt, stream, cfg, 4096, Mode::Inference, RowDelivery::Pull)?;
-    /// assert!(rt.ranks() == 1 || layer.rows_pulled());
+    /// assert!(layer.rows_pulled());
     /// # Ok(()) }
     /// ```
     pub fn with_delivery(
@@ -109,7 +110,9 @@ impl EpMoeLayer {
         mode: Mode,
         delivery: RowDelivery,
     ) -> Result<Self, EpError> {
-        let inner = if runtime.ranks() == 1 {
+        // One rank: the single-GPU layer, unless a delivery was asked for explicitly (then
+        // the exchange runs against this rank alone: what it costs over the permutation).
+        let inner = if runtime.ranks() == 1 && delivery == RowDelivery::Auto {
             let plan = MoePlan::new(config, max_tokens)?;
             Inner::Single(Box::new(Single {
                 layer: MoeLayer::new(stream, &plan, mode)?,
@@ -171,7 +174,7 @@ impl EpMoeLayer {
     }
 
     /// Whether the forward reads its received rows in place at their home ranks
-    /// ([`RowDelivery::Pull`]); `false` at one rank (nothing is exchanged).
+    /// ([`RowDelivery::Pull`]); `false` for the single-GPU layer (one rank, `Auto`).
     ///
     /// ```no_run
     /// # fn demo(layer: &moefuse_ep::EpMoeLayer) { println!("pulled: {}", layer.rows_pulled()); }
