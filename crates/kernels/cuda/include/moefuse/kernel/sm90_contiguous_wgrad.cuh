@@ -40,8 +40,16 @@
 #include "moefuse/common/pipeline_drain.cuh"
 #include "moefuse/common/group_layout.cuh"
 #include "moefuse/epilogue/masked_rows.cuh"
+#include "moefuse/epilogue/tma_store_tile.cuh"
 
 namespace moefuse::kernel {
+
+// The epilogue's shared memory, one kind per launch: beta == 0 stores by TMA, beta != 0
+// reads D back (the mainloop's stage count is sized around it).
+union ContiguousWgradEpilogue {
+  epilogue::MaskedRowsStorage masked;
+  epilogue::TmaStoreStorage tma;
+};
 
 template <class Mainloop_, int kClusterM_ = 1>
 struct Sm90ContiguousWgrad {
@@ -78,13 +86,14 @@ struct Sm90ContiguousWgrad {
   struct SharedStorage {
     typename Mainloop::TensorStorage tensors;
     alignas(16) typename Mainloop::PipelineStorage pipeline;
-    epilogue::MaskedRowsStorage epilogue;
+    ContiguousWgradEpilogue epilogue;
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
 
   struct Params {
     CUtensorMap a_chunk;  // A [total_rows, m]: box 64 x 64 (m, rows), 128-byte swizzle
     CUtensorMap b_chunk;  // B [total_rows, n]: box 64 x 64
+    CUtensorMap d_tile;   // D [groups, m, n]: box 64 x 64 x 1 (the beta == 0 epilogue's stores)
     typename Mainloop::Params mainloop;  // only for mma()'s signature (it reads none of it)
     const int32_t* offsets;
     const cutlass::bfloat16_t* a;  // [total_rows, m]
@@ -207,6 +216,7 @@ struct Sm90ContiguousWgrad {
     if (warp_idx == 0 && cute::elect_one_sync()) {
       cute::prefetch_tma_descriptor(&p.a_chunk);
       cute::prefetch_tma_descriptor(&p.b_chunk);
+      if (p.beta == 0.f) cute::prefetch_tma_descriptor(&p.d_tile);
     }
     typename MainloopPipeline::Params pipe_params;
     pipe_params.role = role == Role::Producer ? MainloopPipeline::ThreadCategory::Producer
@@ -245,6 +255,7 @@ struct Sm90ContiguousWgrad {
                                      .partition_C(make_identity_tensor(take<0, 2>(TileShape{})))(0)) /
                           64 * 64;
       PipelineState read;
+      uint32_t store_passes = 0;  // the TMA epilogue's slab parity
       for (int i = first; tile_at(p, i, m_units, n_blocks, rank, tile); i += stride) {
         const int k_tiles = (tile.rows.rows() + kTileK - 1) / kTileK;
         auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
@@ -265,11 +276,19 @@ struct Sm90ContiguousWgrad {
           clear(acc);  // an empty group: D_e = 0
         }
         const int m0 = tile.m_block * kTileM, n0 = tile.n_block * kTileN;
-        cutlass::bfloat16_t* d = p.d + int64_t(tile.group) * p.m * p.n;
-        epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue,
-                                               kEpilogueBarrier + wg_row0 / 64, d, int64_t(p.n), m0,
-                                               min(kTileM, p.m - m0), n0, min(kTileN, p.n - n0), p.alpha, p.beta);
+        const uint32_t barrier = kEpilogueBarrier + wg_row0 / 64;
+        if (p.beta == 0.f) {
+          epilogue::store_tile_tma<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue.tma, barrier,
+                                              &p.d_tile, tile.group, m0, min(kTileM, p.m - m0), n0,
+                                              min(kTileN, p.n - n0), p.alpha, store_passes);
+        } else {
+          cutlass::bfloat16_t* d = p.d + int64_t(tile.group) * p.m * p.n;
+          epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue.masked,
+                                                 barrier, d, int64_t(p.n), m0, min(kTileM, p.m - m0), n0,
+                                                 min(kTileN, p.n - n0), p.alpha, p.beta);
+        }
       }
+      epilogue::store_tile_tma_tail(mma_thread_idx);
     }
 #else
     __trap();

@@ -22,7 +22,7 @@ struct ContiguousWgradBf16 {
   static constexpr int kMinor = 0;
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
-  using CarveOut = cute::Int<int(sizeof(epilogue::MaskedRowsStorage)) + 64>;
+  using CarveOut = cute::Int<int(sizeof(kernel::ContiguousWgradEpilogue)) + 64>;
   // A^T: A [rows, m] row-major is M-major (ColumnMajor for CUTLASS's M x K A); B [rows, n]
   // row-major is N-major (RowMajor for its K x N B).
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -31,6 +31,7 @@ struct ContiguousWgradBf16 {
       cutlass::gemm::collective::StageCountAutoCarveout<CarveOut::value>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop, ClusterM>;
+  static_assert(Kernel::kSharedBytes <= 232448, "sm90 contiguous wgrad: more shared memory than an SM has");
 
   // The boxes write where the collective's layouts put them: 64-wide MN strips of
   // 64 x 128-byte rows (one row per reduction index), strips one after the other.
@@ -96,6 +97,12 @@ struct ContiguousWgradLauncher {
     const cuuint64_t m = cuuint64_t(p.k), n = cuuint64_t(p.n);
     moefuse_status st = encode_bf16_map<2>(&out.a_chunk, p.a, {m, rows}, {m * 2}, {64, 64}, "A chunks");
     if (st == MOEFUSE_STATUS_OK) st = encode_bf16_map<2>(&out.b_chunk, p.b, {n, rows}, {n * 2}, {64, 64}, "B chunks");
+    // D [groups, m, n] for the beta == 0 epilogue's TMA stores (run() returns before this
+    // when there are no groups).
+    if (st == MOEFUSE_STATUS_OK) {
+      st = encode_bf16_map<3>(&out.d_tile, p.d, {n, m, cuuint64_t(p.num_groups)}, {n * 2, m * n * 2}, {64, 64, 1},
+                              "D tiles");
+    }
     if (st != MOEFUSE_STATUS_OK) return st;
     using StrideA = typename Mainloop::StrideA;
     using StrideB = typename Mainloop::StrideB;
