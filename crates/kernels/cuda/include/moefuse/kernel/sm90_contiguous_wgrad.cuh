@@ -44,11 +44,11 @@
 
 namespace moefuse::kernel {
 
-// The epilogue's shared memory, one kind per launch: beta == 0 stores by TMA, beta != 0
-// reads D back (the mainloop's stage count is sized around it).
+// The epilogue's shared memory, one kind per launch: TMA stores (beta == 0), or the
+// masked-rows store, which reads D back for beta != 0 (the mainloop's stage count is sized around it).
 union ContiguousWgradEpilogue {
   epilogue::MaskedRowsStorage masked;
-  epilogue::TmaStoreStorage tma;
+  epilogue::TmaStoreStorage<64> tma;
 };
 
 template <class Mainloop_, int kClusterM_ = 1>
@@ -106,6 +106,7 @@ struct Sm90ContiguousWgrad {
     float alpha;
     float beta;
     int interleave;  // 1: the walk alternates the front and the back of the tile list
+    int tma_store;   // 1: tiles leave by TMA through d_tile (beta == 0; set by the launcher)
   };
 
   struct Tile {
@@ -216,7 +217,7 @@ struct Sm90ContiguousWgrad {
     if (warp_idx == 0 && cute::elect_one_sync()) {
       cute::prefetch_tma_descriptor(&p.a_chunk);
       cute::prefetch_tma_descriptor(&p.b_chunk);
-      if (p.beta == 0.f) cute::prefetch_tma_descriptor(&p.d_tile);
+      if (p.tma_store) cute::prefetch_tma_descriptor(&p.d_tile);
     }
     typename MainloopPipeline::Params pipe_params;
     pipe_params.role = role == Role::Producer ? MainloopPipeline::ThreadCategory::Producer
@@ -277,9 +278,9 @@ struct Sm90ContiguousWgrad {
         }
         const int m0 = tile.m_block * kTileM, n0 = tile.n_block * kTileN;
         const uint32_t barrier = kEpilogueBarrier + wg_row0 / 64;
-        if (p.beta == 0.f) {
-          epilogue::store_tile_tma<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue.tma, barrier,
-                                              &p.d_tile, tile.group, m0, min(kTileM, p.m - m0), n0,
+        if (p.tma_store) {
+          epilogue::store_tile_tma<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue.tma.wg[wg_row0 / 64], barrier,
+                                              &p.d_tile, epilogue::TmaRows3D{tile.group}, m0, min(kTileM, p.m - m0), n0,
                                               min(kTileN, p.n - n0), p.alpha, store_passes);
         } else {
           cutlass::bfloat16_t* d = p.d + int64_t(tile.group) * p.m * p.n;

@@ -99,9 +99,10 @@ struct ContiguousWgradLauncher {
     if (st == MOEFUSE_STATUS_OK) st = encode_bf16_map<2>(&out.b_chunk, p.b, {n, rows}, {n * 2}, {64, 64}, "B chunks");
     // D [groups, m, n] for the beta == 0 epilogue's TMA stores (run() returns before this
     // when there are no groups).
-    if (st == MOEFUSE_STATUS_OK) {
+    if (st == MOEFUSE_STATUS_OK && p.beta == 0.f && tma_epilogue_enabled()) {
       st = encode_bf16_map<3>(&out.d_tile, p.d, {n, m, cuuint64_t(p.num_groups)}, {n * 2, m * n * 2}, {64, 64, 1},
                               "D tiles");
+      out.tma_store = 1;
     }
     if (st != MOEFUSE_STATUS_OK) return st;
     using StrideA = typename Mainloop::StrideA;
