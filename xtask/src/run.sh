@@ -148,7 +148,11 @@ run_ncu() {
   local sections=() s
   for s in ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis WarpStateStats SchedulerStats SourceCounters \
     LaunchStats Occupancy}; do sections+=(--section "$s"); done
-  "$ncu" --kernel-name "regex:$regex" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-2}" \
+  # NOTES: the clocks stay as the machine runs them (the device notes ask it); NCU_FLAGS adds
+  # more, e.g. "--cache-control none" for latency-bound kernels, whose cold-cache durations
+  # (ncu flushes caches before each profiled launch by default) overstate their real ones.
+  # shellcheck disable=SC2086
+  "$ncu" --clock-control none ${NCU_FLAGS:-} --kernel-name "regex:$regex" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-2}" \
     "${sections[@]}" --export "$out/ncu" --force-overwrite "$bin" "$@" > "$out/ncu.log" 2>&1
   local rc=$?
   "$ncu" --import "$out/ncu.ncu-rep" --page details 2>/dev/null | head -400
