@@ -36,12 +36,12 @@ inline moefuse_status encode_bf16_map(CUtensorMap* map, const void* base, const 
 }
 
 // Whether the GEMMs' whole tiles leave through the TMA-store epilogue (epilogue/
-// tma_store_tile.cuh): yes unless MOEFUSE_TMA_EPILOGUE=off (read once; for A/B measurement
-// of the same build, as docs/perf-notes.md records).
+// tma_store_tile.cuh): only with MOEFUSE_TMA_EPILOGUE=on (read once) until the H200 has
+// checked and timed it against the masked store (docs/perf-notes.md, session 13).
 inline bool tma_epilogue_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("MOEFUSE_TMA_EPILOGUE");
-    return v == nullptr || std::strcmp(v, "off") != 0;
+    return v != nullptr && std::strcmp(v, "on") == 0;
   }();
   return on;
 }
