@@ -103,7 +103,7 @@ run_sanitize() {
     local name extra=() env_extra=(MOEFUSE_TEST_TIME_SCALE=${SANITIZE_TIME_SCALE:-10} MOEFUSE_UNDER_SANITIZER=1)
     name=$(basename "$t")
     case "$name" in *_gpu-test) ;; *) continue ;; esac
-    case "$name" in ep_*) env_extra+=(NVSHMEM_DISABLE_NCCL=1) ;; esac
+    case "$name" in ep_*|pull_*) env_extra+=(NVSHMEM_DISABLE_NCCL=1) ;; esac
     for tool in $tools; do
       local log="$logs/$name.$tool.log" rc errs summary
       case "$tool" in

@@ -35,13 +35,13 @@ inline moefuse_status encode_bf16_map(CUtensorMap* map, const void* base, const 
   return MOEFUSE_STATUS_OK;
 }
 
-// Whether the GEMMs' whole tiles leave through the TMA-store epilogue (epilogue/
-// tma_store_tile.cuh): only with MOEFUSE_TMA_EPILOGUE=on (read once) until the H200 has
-// checked and timed it against the masked store (docs/perf-notes.md, session 13).
+// Whether the contiguous wgrad's tiles leave through the TMA-store epilogue (epilogue/
+// tma_store_tile.cuh; beta == 0): yes unless MOEFUSE_TMA_EPILOGUE=off (read once), which
+// keeps the masked-rows store, for A/B of one build (docs/perf-notes.md, session 13).
 inline bool tma_epilogue_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("MOEFUSE_TMA_EPILOGUE");
-    return v != nullptr && std::strcmp(v, "on") == 0;
+    return v == nullptr || std::strcmp(v, "off") != 0;
   }();
   return on;
 }

@@ -46,13 +46,11 @@ struct MaskedRowsStorage {
 // Consumer perspective (one warp group, 128 threads, named barrier `barrier_id`): stores the
 // warp group's rows [wg_row0, wg_row0 + 64) of the tile. Waits on nothing else.
 // `row_at` maps a row to its storage (RowsInOrder: D's row; RowsScattered: a table's address).
-// `slab`: this warp group's 64 x kPitch slab (MaskedRowsStorage::slab[wg], or a kernel's own
-// shared memory of that size).
 template <class TileShape, class Accum, class TiledMma, class RowAt = RowsInOrder>
-CUTE_DEVICE void store_masked_rows_via(Accum const& acc, TiledMma const& tiled_mma, int mma_thread_idx, int wg_row0,
-                                       __nv_bfloat16* slab, uint32_t barrier_id, cutlass::bfloat16_t* d,
-                                       int64_t ldd, int row0, int rows, int col0, int cols, float alpha, float beta,
-                                       RowAt row_at = {}) {
+CUTE_DEVICE void store_masked_rows(Accum const& acc, TiledMma const& tiled_mma, int mma_thread_idx, int wg_row0,
+                                   MaskedRowsStorage& storage, uint32_t barrier_id, cutlass::bfloat16_t* d,
+                                   int64_t ldd, int row0, int rows, int col0, int cols, float alpha, float beta,
+                                   RowAt row_at = {}) {
   using namespace cute;
   using S = MaskedRowsStorage;
   constexpr int kM = size<0>(TileShape{});
@@ -65,6 +63,7 @@ CUTE_DEVICE void store_masked_rows_via(Accum const& acc, TiledMma const& tiled_m
   CUTE_STATIC_ASSERT_V((size<0, 0>(tCcD) == Int<2>{}) && (size<0, 1>(tCcD) == Int<2>{}));
   CUTE_STATIC_ASSERT_V((size<0, 2>(tCcD) == Int<kN / 8>{}) && (size<1>(tCcD) == Int<1>{}) &&
                        (size<2>(tCcD) == Int<1>{}));
+  __nv_bfloat16* slab = storage.slab[(wg_row0 / S::kRows) & 1];
   const int t = mma_thread_idx % 128;
   const int wg_rows = min(rows - wg_row0, S::kRows);  // rows of this slab to store (> 0)
   CUTE_UNROLL
@@ -109,16 +108,6 @@ CUTE_DEVICE void store_masked_rows_via(Accum const& acc, TiledMma const& tiled_m
     }
     cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id);  // the slab is rewritten next pass
   }
-}
-
-template <class TileShape, class Accum, class TiledMma, class RowAt = RowsInOrder>
-CUTE_DEVICE void store_masked_rows(Accum const& acc, TiledMma const& tiled_mma, int mma_thread_idx, int wg_row0,
-                                   MaskedRowsStorage& storage, uint32_t barrier_id, cutlass::bfloat16_t* d,
-                                   int64_t ldd, int row0, int rows, int col0, int cols, float alpha, float beta,
-                                   RowAt row_at = {}) {
-  store_masked_rows_via<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0,
-                                   storage.slab[(wg_row0 / MaskedRowsStorage::kRows) & 1], barrier_id, d, ldd, row0,
-                                   rows, col0, cols, alpha, beta, row_at);
 }
 
 }  // namespace moefuse::epilogue

@@ -13,10 +13,8 @@
 //
 // Composition: mainloop = CUTLASS's sm90 TMA/GMMA collective (load/load_tail,
 // mma/mma_tail), tile order = sched::ContiguousGroupScheduler, store =
-// epilogue::store_tile_tma for a tile whose 128 rows are all its group's (beta == 0, rows in
-// order: TMA stores the consumers do not wait for), else epilogue::store_masked_rows (a
-// group's last tile, beta != 0, scattered rows). A tile's A box may run past its group's
-// rows into the next group's (loaded, multiplied, never stored).
+// epilogue::store_masked_rows. A tile's A box may run past its group's rows into the
+// next group's (loaded, multiplied, never stored).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -24,21 +22,9 @@
 #include "cutlass/pipeline/pipeline.hpp"
 #include "moefuse/common/pipeline_drain.cuh"
 #include "moefuse/epilogue/masked_rows.cuh"
-#include "moefuse/epilogue/tma_store_tile.cuh"
 #include "moefuse/sched/grouped_contiguous.cuh"
 
 namespace moefuse::kernel {
-
-// One consumer warp group's epilogue shared memory: the masked-rows slab, or the two
-// 32-column TMA slabs (no larger than the slab, so the stage count does not change). Per
-// warp group, so one group's masked store never overwrites slabs the other's TMA stores
-// may still be reading.
-union ContiguousGroupedEpilogue {
-  alignas(16) __nv_bfloat16 masked[epilogue::MaskedRowsStorage::kRows * epilogue::MaskedRowsStorage::kPitch];
-  epilogue::TmaSlabs<32> tma;
-};
-static_assert(sizeof(ContiguousGroupedEpilogue) == sizeof(epilogue::MaskedRowsStorage) / 2,
-              "the TMA slabs fit inside the masked-rows slab");
 
 // RowAt_: where the epilogue stores each row (epilogue::RowsInOrder: D; RowsScattered: a
 // per-row address table, the expert-parallel down GEMM's combine into the home ranks).
@@ -73,7 +59,7 @@ struct Sm90ContiguousGrouped {
     typename Mainloop::TensorStorage tensors;
     alignas(16) typename Mainloop::PipelineStorage pipeline;
     alignas(16) typename Scheduler::Table groups;
-    ContiguousGroupedEpilogue epilogue[2];  // per consumer warp group
+    epilogue::MaskedRowsStorage epilogue;
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
 
@@ -92,8 +78,6 @@ struct Sm90ContiguousGrouped {
     int interleave;  // 1: the tile list's front and back alternate
     int prefetch;  // k-blocks of the next tile's A and W_e tiles prefetched into L2
     RowAt_ row_at;  // where each row of D is stored (empty for RowsInOrder)
-    CUtensorMap d_rows;  // D [total_rows, n]: box 32 x 64, 64-byte swizzle (when tma_store)
-    int tma_store;       // 1: whole tiles leave by TMA (beta == 0, rows in order; set by run())
   };
 
   enum class Role { Producer, Idle, Consumer };
@@ -186,8 +170,6 @@ struct Sm90ContiguousGrouped {
                                      .partition_C(make_identity_tensor(take<0, 2>(TileShape{})))(0)) /
                           64 * 64;
       PipelineState read;
-      ContiguousGroupedEpilogue& slabs = shared.epilogue[wg_row0 / 64];
-      uint32_t store_passes = 0;  // the TMA epilogue's slab parity
       while (scheduler.next(tile)) {
         auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
         if (tile.rows > wg_row0) {
@@ -204,23 +186,10 @@ struct Sm90ContiguousGrouped {
         }
         read.advance(k_tiles);
         const int col0 = tile.n_block * kTileN;
-        const uint32_t barrier = kEpilogueBarrier + wg_row0 / 64;
-        if (p.tma_store && tile.rows >= kTileM) {
-          epilogue::store_tile_tma<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, slabs.tma, barrier, &p.d_rows,
-                                              epilogue::TmaRows2D{}, tile.row0, kTileM, col0,
-                                              min(kTileN, p.n - col0), p.alpha, store_passes);
-        } else {
-          if (store_passes != 0) {
-            // This warp group's earlier TMA stores may still read the slabs the masked store writes.
-            if (mma_thread_idx % 128 == 0) tma_store_wait<0>();
-            cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier);
-          }
-          epilogue::store_masked_rows_via<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, slabs.masked, barrier,
-                                                     p.d, int64_t(p.n), tile.row0, tile.rows, col0,
-                                                     min(kTileN, p.n - col0), p.alpha, p.beta, p.row_at);
-        }
+        epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue,
+                                               kEpilogueBarrier + wg_row0 / 64, p.d, int64_t(p.n), tile.row0,
+                                               tile.rows, col0, min(kTileN, p.n - col0), p.alpha, p.beta, p.row_at);
       }
-      epilogue::store_tile_tma_tail(mma_thread_idx);
     }
 #else
     // Built for another arch: the launcher's capability check keeps this from running.

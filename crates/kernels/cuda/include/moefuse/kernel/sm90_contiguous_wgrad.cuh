@@ -48,7 +48,7 @@ namespace moefuse::kernel {
 // masked-rows store, which reads D back for beta != 0 (the mainloop's stage count is sized around it).
 union ContiguousWgradEpilogue {
   epilogue::MaskedRowsStorage masked;
-  epilogue::TmaStoreStorage<64> tma;
+  epilogue::TmaStoreStorage tma;
 };
 
 template <class Mainloop_, int kClusterM_ = 1>
@@ -280,7 +280,7 @@ struct Sm90ContiguousWgrad {
         const uint32_t barrier = kEpilogueBarrier + wg_row0 / 64;
         if (p.tma_store) {
           epilogue::store_tile_tma<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue.tma.wg[wg_row0 / 64], barrier,
-                                              &p.d_tile, epilogue::TmaRows3D{tile.group}, m0, min(kTileM, p.m - m0), n0,
+                                              &p.d_tile, tile.group, m0, min(kTileM, p.m - m0), n0,
                                               min(kTileN, p.n - n0), p.alpha, store_passes);
         } else {
           cutlass::bfloat16_t* d = p.d + int64_t(tile.group) * p.m * p.n;

@@ -10,7 +10,6 @@
 #include "moefuse/common/cluster_launch.cuh"
 #include "moefuse/common/status.hpp"
 #include "moefuse/common/stride.hpp"
-#include "moefuse/common/tensor_map.hpp"
 #include "moefuse/kernel/sm90_contiguous_grouped.cuh"
 
 namespace moefuse::sm90 {
@@ -36,7 +35,7 @@ struct ContiguousGroupedBf16 {
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   static constexpr int kAlign = 16 / sizeof(Element);
   using TableBytes = cute::Int<int(sizeof(sched::ContiguousGroupTable<kMaxGroups>) +
-                                     sizeof(kernel::ContiguousGroupedEpilogue) * 2) + 1024 + 64>;
+                                     sizeof(epilogue::MaskedRowsStorage)) + 64>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
@@ -45,7 +44,6 @@ struct ContiguousGroupedBf16 {
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
   using Kernel = kernel::Sm90ContiguousGrouped<CollectiveMainloop, kMaxGroups>;
-  static_assert(Kernel::kSharedBytes <= 232448, "sm90 contiguous grouped GEMM: more shared memory than an SM has");
 };
 
 template <class Config>
@@ -140,14 +138,7 @@ struct ContiguousGroupedLauncher {
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;
-    Params prm = params(*p);
-    if (p->beta == 0.f && tma_epilogue_enabled()) {
-      // Whole tiles (128 rows of one group) leave by TMA; the map clips at total_rows.
-      st = encode_bf16_map<2>(&prm.d_rows, p->d, {cuuint64_t(p->n), cuuint64_t(p->total_rows)},
-                              {cuuint64_t(p->n) * 2}, {32, 64}, "D rows", CU_TENSOR_MAP_SWIZZLE_64B);
-      if (st != MOEFUSE_STATUS_OK) return st;
-      prm.tma_store = 1;
-    }
+    const Params prm = params(*p);
     constexpr int kCluster = Kernel::kClusterM;
     const int64_t n_blocks = (p->n + Kernel::kTileN - 1) / Kernel::kTileN;
     const int64_t unit_rows = int64_t(Kernel::kTileM) * kCluster;
