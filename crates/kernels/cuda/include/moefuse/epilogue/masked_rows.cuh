@@ -43,6 +43,24 @@ struct MaskedRowsStorage {
   alignas(16) __nv_bfloat16 slab[2][kRows * kPitch];
 };
 
+// Each accumulator element's (row, column) in the tile, for one thread of a cooperative
+// WGMMA accumulator of two 64-row warp groups: ((2 columns, 2 row halves, N/8 column
+// blocks), 1, 1), which the stores below index as i = 2 * half + 4 * block (+1: next column).
+template <class TileShape, class Accum, class TiledMma>
+CUTE_DEVICE auto accumulator_coords(Accum const& acc, TiledMma const& tiled_mma, int mma_thread_idx) {
+  using namespace cute;
+  constexpr int kM = size<0>(TileShape{});
+  constexpr int kN = size<1>(TileShape{});
+  static_assert(kN % 64 == 0, "the rows epilogues store 64-column passes: tile N must be a multiple of 64");
+  Tensor cD = make_identity_tensor(make_shape(Int<kM>{}, Int<kN>{}));  // (BLK_M,BLK_N) -> (m,n)
+  Tensor tCcD = tiled_mma.get_thread_slice(mma_thread_idx).partition_C(cD);  // (MMA,MMA_M,MMA_N)
+  static_assert(decltype(size(acc))::value == decltype(size(tCcD))::value, "accumulator and D partitions differ");
+  CUTE_STATIC_ASSERT_V((size<0, 0>(tCcD) == Int<2>{}) && (size<0, 1>(tCcD) == Int<2>{}));
+  CUTE_STATIC_ASSERT_V((size<0, 2>(tCcD) == Int<kN / 8>{}) && (size<1>(tCcD) == Int<1>{}) &&
+                       (size<2>(tCcD) == Int<1>{}));
+  return tCcD;
+}
+
 // Consumer perspective (one warp group, 128 threads, named barrier `barrier_id`): stores the
 // warp group's rows [wg_row0, wg_row0 + 64) of the tile. Waits on nothing else.
 // `row_at` maps a row to its storage (RowsInOrder: D's row; RowsScattered: a table's address).
@@ -53,16 +71,9 @@ CUTE_DEVICE void store_masked_rows(Accum const& acc, TiledMma const& tiled_mma, 
                                    RowAt row_at = {}) {
   using namespace cute;
   using S = MaskedRowsStorage;
-  constexpr int kM = size<0>(TileShape{});
   constexpr int kN = size<1>(TileShape{});
-  static_assert(kN % S::kCols == 0, "masked-rows epilogue: tile N must be a multiple of 64");
-  Tensor cD = make_identity_tensor(make_shape(Int<kM>{}, Int<kN>{}));  // (BLK_M,BLK_N) -> (m,n)
-  Tensor tCcD = tiled_mma.get_thread_slice(mma_thread_idx).partition_C(cD);  // (MMA,MMA_M,MMA_N)
-  static_assert(decltype(size(acc))::value == decltype(size(tCcD))::value, "accumulator and D partitions differ");
-  // GMMA accumulator of one warp group: ((2 columns, 2 row halves, N/8 column blocks), 1, 1).
-  CUTE_STATIC_ASSERT_V((size<0, 0>(tCcD) == Int<2>{}) && (size<0, 1>(tCcD) == Int<2>{}));
-  CUTE_STATIC_ASSERT_V((size<0, 2>(tCcD) == Int<kN / 8>{}) && (size<1>(tCcD) == Int<1>{}) &&
-                       (size<2>(tCcD) == Int<1>{}));
+  static_assert(S::kCols == 64, "masked-rows epilogue: 64-column passes");
+  const auto tCcD = accumulator_coords<TileShape>(acc, tiled_mma, mma_thread_idx);
   __nv_bfloat16* slab = storage.slab[(wg_row0 / S::kRows) & 1];
   const int t = mma_thread_idx % 128;
   const int wg_rows = min(rows - wg_row0, S::kRows);  // rows of this slab to store (> 0)

@@ -23,6 +23,7 @@
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
+#include "moefuse/epilogue/masked_rows.cuh"
 
 namespace moefuse::epilogue {
 
@@ -53,16 +54,9 @@ CUTE_DEVICE void store_tile_tma(Accum const& acc, TiledMma const& tiled_mma, int
                                 TmaSlabs& slabs, uint32_t barrier_id, CUtensorMap const* map, int matrix, int row0,
                                 int rows, int col0, int cols, float alpha, uint32_t& passes) {
   using namespace cute;
-  constexpr int kM = size<0>(TileShape{});
   constexpr int kN = size<1>(TileShape{});
   constexpr int kCols = TmaSlabs::kCols;
-  static_assert(kN % kCols == 0, "TMA-store epilogue: tile N must be a multiple of 64");
-  Tensor cD = make_identity_tensor(make_shape(Int<kM>{}, Int<kN>{}));  // (BLK_M,BLK_N) -> (m,n)
-  Tensor tCcD = tiled_mma.get_thread_slice(mma_thread_idx).partition_C(cD);  // (MMA,MMA_M,MMA_N)
-  static_assert(decltype(size(acc))::value == decltype(size(tCcD))::value, "accumulator and D partitions differ");
-  CUTE_STATIC_ASSERT_V((size<0, 0>(tCcD) == Int<2>{}) && (size<0, 1>(tCcD) == Int<2>{}));
-  CUTE_STATIC_ASSERT_V((size<0, 2>(tCcD) == Int<kN / 8>{}) && (size<1>(tCcD) == Int<1>{}) &&
-                       (size<2>(tCcD) == Int<1>{}));
+  const auto tCcD = accumulator_coords<TileShape>(acc, tiled_mma, mma_thread_idx);
   if (rows <= wg_row0) return;  // the matrix ends above this warp group's rows
   const bool issuer = mma_thread_idx % 128 == 0;
   CUTE_UNROLL
