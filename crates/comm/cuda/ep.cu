@@ -347,16 +347,21 @@ __device__ void notify(const moefuse_ep_params& p) {
 
 }  // namespace
 
-// ---- count (+ notify): grid T/256, block 256, dynamic smem (kWarps * C + kWarps * 32 * top_k) ints
-extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_ep_params p) {
-  extern __shared__ int smem[];
+// ---- count (+ notify): grid T/256, block 32 * kCountWarps, dynamic smem
+// (kCountWarps * C + kCountWarps * kTok * top_k) ints, kTok = 256 / kCountWarps tokens per warp.
+// The chunk's positions are in token order whatever kCountWarps is (warp order is token
+// order), so both variants write the same tables.
+template <int kCountWarps>
+__device__ __forceinline__ void count_chunk(const moefuse_ep_params& p, int* smem) {
+  constexpr int kTok = kChunk / kCountWarps;
+  static_assert(kTok * kCountWarps == kChunk && kTok <= 32, "count: at most 32 tokens per warp");
   const int C = row_width(p), k = p.top_k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int* hist = smem;                                   // (kWarps, C): counts, then bases
-  int* ids = smem + kWarps * C + warp * 32 * k;       // (32, k): this warp's routing
-  for (int i = threadIdx.x; i < kWarps * C; i += blockDim.x) hist[i] = 0;
-  const int t0 = blockIdx.x * kChunk + warp * 32;
-  const int n_tok = max(0, min(32, p.tokens - t0));
+  int* hist = smem;                                   // (kCountWarps, C): counts, then bases
+  int* ids = smem + kCountWarps * C + warp * kTok * k;  // (kTok, k): this warp's routing
+  for (int i = threadIdx.x; i < kCountWarps * C; i += blockDim.x) hist[i] = 0;
+  const int t0 = blockIdx.x * kChunk + warp * kTok;
+  const int n_tok = max(0, min(kTok, p.tokens - t0));
   // One coalesced load of the warp's ids: the serial walk below then reads shared memory
   // (walking global memory token by token was latency-bound).
   for (int i = lane; i < n_tok * k; i += 32) ids[i] = p.topk_ids[size_t(t0) * k + i];
@@ -390,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
   __syncthreads();
 
   // Per-warp exclusive bases inside the chunk, and the chunk's totals.
-  moefuse::rows::warp_bases<kWarps>(hist, C, p.chunk_cnt + blockIdx.x * C);
+  moefuse::rows::warp_bases<kCountWarps>(hist, C, p.chunk_cnt + blockIdx.x * C);
   __syncthreads();
   // Chunk-relative positions -> warp bases added, every (token, slot) and (token,
   // destination) independently (a serial walk here waited on one load per token).
@@ -417,6 +422,20 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_
   }
   __syncthreads();
   if (last) notify(p);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_ep_params p) {
+  extern __shared__ int smem[];
+  count_chunk<kWarps>(p, smem);
+}
+
+// 32 warps of 8 tokens: a quarter of the dependent rank_slots steps per warp and four times
+// the warps per chunk (the 256-warp variant's count is bound by those serial steps on one SM
+// per chunk: docs/perf-notes.md, session 13). Chosen with MOEFUSE_EP_COUNT=wide while it is
+// measured.
+extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_count_wide(moefuse_ep_params p) {
+  extern __shared__ int smem[];
+  count_chunk<32>(p, smem);
 }
 
 // ---- dispatch: grid G, block 256 ------------------------------------------------------
