@@ -438,12 +438,80 @@ extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_count_wide(moefuse
   count_chunk<32>(p, smem);
 }
 
+// ---- bulk row copies (the dispatch's opt-in variant) -----------------------------------
+// One warp's lane 0 copies a row into several destinations through two shared-memory pieces:
+// a bulk load (cp.async.bulk, completing on the piece's mbarrier), then one bulk store per
+// destination, committed as one group; nothing is held in registers, so the stores of many
+// pieces are in flight at once. A piece is reloaded only after the stores that read it two
+// pieces ago have read it (wait_group.read 1).
+constexpr int kBulkPiece = 2048;  // bytes per piece; two per warp (32 KiB per 8-warp block)
+
+struct BulkWarp {
+  alignas(128) unsigned char piece[2][kBulkPiece];
+  uint64_t full[2];  // mbarriers, one per piece
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Lane 0 of the warp, once, before any copy.
+__device__ __forceinline__ void bulk_init(BulkWarp& w) {
+  for (int b = 0; b < 2; ++b) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&w.full[b])) : "memory");
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Lane 0: `bytes` (a multiple of 16) from `src` into each of the n_dst rows; `pieces` counts
+// this warp's pieces (buffer and phase).
+__device__ void bulk_copy_row(BulkWarp& w, uint32_t& pieces, uint4* const* dst, int n_dst, const void* src,
+                              int bytes) {
+  for (int off = 0; off < bytes; off += kBulkPiece) {
+    const int n = min(kBulkPiece, bytes - off);
+    const int b = pieces & 1;
+    const uint32_t parity = (pieces >> 1) & 1;
+    const uint32_t buf = smem_addr(w.piece[b]), bar = smem_addr(&w.full[b]);
+    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(buf),
+                 "l"(static_cast<const char*>(src) + off), "r"(n), "r"(bar)
+                 : "memory");
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    }
+    for (int j = 0; j < n_dst; ++j) {
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                       reinterpret_cast<char*>(dst[j]) + off),
+                   "r"(buf), "r"(n)
+                   : "memory");
+    }
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    ++pieces;
+  }
+}
+
+// Lane 0, before the kernel's completion signal: every bulk store has been written.
+__device__ __forceinline__ void bulk_drain() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // ---- dispatch: grid G, block 256 ------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
+// kBulk: this rank's own expert-major rows are written by bulk copies through shared memory
+// (bulk_copy_row) instead of through registers (warp_copy_row_to); everything else is the same.
+template <bool kBulk>
+__device__ __forceinline__ void dispatch_rows(const moefuse_ep_params& p) {
   __shared__ PeerTable peers;
   __shared__ uint4* dst_rows[kWarps][kMaxTopK];
+  __shared__ BulkWarp bulk[kBulk ? kWarps : 1];
+  uint32_t pieces = 0;  // lane 0's bulk pieces
   const uint64_t epoch = *p.epoch;
   if (skip_send(p, epoch)) return;
+  if (kBulk && threadIdx.x % 32 == 0) bulk_init(bulk[threadIdx.x / 32]);
   fill_peers(peers, p);
   const int C = row_width(p), k = p.top_k, D = p.hidden;
   const int lane = threadIdx.x % 32;
@@ -494,8 +562,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
         if (lane < k) p.stage_w[i * k + lane] = w;
         if (!p.pull) {
           __syncwarp();
-          warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8,
-                           lane);
+          if constexpr (kBulk) {
+            if (lane == 0) {
+              bulk_copy_row(bulk[threadIdx.x / 32], pieces, dst_rows[threadIdx.x / 32], __popc(valid), src,
+                            D * int(sizeof(uint16_t)));
+            }
+          } else {
+            warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8,
+                             lane);
+          }
         }
         __syncwarp();
       } else if (uint16_t* peer_x = peers.stage_x[d]) {
@@ -513,7 +588,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
       }
     }
   }
+  if (kBulk && threadIdx.x % 32 == 0) bulk_drain();
   last_block_signals(p, p.done + 0, p.disp_sig, epoch);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
+  dispatch_rows<false>(p);
+}
+
+// Chosen with MOEFUSE_EP_COPY=bulk while it is measured (docs/perf-notes.md, session 13).
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch_bulk(moefuse_ep_params p) {
+  dispatch_rows<true>(p);
 }
 
 // ---- expand: grid G, block 256 --------------------------------------------------------

@@ -73,7 +73,15 @@ impl ExpertParallel {
                 "moefuse_ep_count"
             })?,
             count_warps: if wide { 32 } else { 8 },
-            dispatch: module.kernel("moefuse_ep_dispatch")?,
+            // This rank's own rows by bulk copies through shared memory (opt-in while it is
+            // measured: MOEFUSE_EP_COPY=bulk).
+            dispatch: module.kernel(
+                if std::env::var("MOEFUSE_EP_COPY").is_ok_and(|v| v == "bulk") {
+                    "moefuse_ep_dispatch_bulk"
+                } else {
+                    "moefuse_ep_dispatch"
+                },
+            )?,
             expand: module.kernel("moefuse_ep_expand")?,
             combine_send: module.kernel("moefuse_ep_combine_send")?,
             combine_reduce: module.kernel("moefuse_ep_combine_reduce")?,
