@@ -124,7 +124,7 @@ fn bench(
 
     // At one rank: the single-GPU layer on the same inputs, its output the check.
     let mut err = None;
-    let (mut single, mut ep_times) = (None, None);
+    let (mut single, mut ep_times, mut single_own) = (None, None, None);
     if ranks == 1 {
         let plan = MoePlan::new(cfg, t)?;
         let mut ws = MoeWorkspace::new(stream, plan.workspace_bytes(Mode::Training))?;
@@ -186,6 +186,19 @@ fn bench(
         }
         single = Some((middle(sf), middle(sb)));
         ep_times = Some((middle(ef), middle(eb)));
+        // The single-GPU layer also timed exactly as the two deliveries below are (its own
+        // loops, not interleaved with the EP layer's): the Inference forward and forward +
+        // backward.
+        let mut inf = MoeLayer::new(stream, &plan, Mode::Inference)?;
+        let fi = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
+            Ok(inf.forward(&weights, &xs[s % sets], t, routing(), &mut y, &mut ws)?)
+        })?;
+        drop(inf);
+        let tfb = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
+            one.forward(&weights, &xs[s % sets], t, routing(), &mut y, &mut ws)?;
+            Ok(one.backward(&weights, &dy, &mut dx, &mut g1, false, &mut ws)?)
+        })?;
+        single_own = Some((fi, tfb));
     }
     let (f, b) = match ep_times {
         Some(fb) => fb,
@@ -265,62 +278,12 @@ fn bench(
     if let Some((f1, b1)) = single {
         out.push(rec("moefuse", "fwd", f1, flops));
         out.push(rec("moefuse", "bwd", b1, 2.0 * flops));
-        // The single-GPU layer timed exactly as the two deliveries above (its own loops, not
-        // interleaved with the EP layer's): the Inference forward and forward + backward.
-        let (fi, tfb) = single_own_loops(
-            stream,
-            args,
-            cfg,
-            t,
-            &gate_up,
-            &down,
-            &xs,
-            &dy,
-            (&ids_d, &wts_d),
-        )?;
-        out.push(rec("moefuse", "fwd-inference", fi, flops));
-        out.push(rec("moefuse", "fwdbwd", tfb, 3.0 * flops));
+        if let Some((fi, tfb)) = single_own {
+            out.push(rec("moefuse", "fwd-inference", fi, flops));
+            out.push(rec("moefuse", "fwdbwd", tfb, 3.0 * flops));
+        }
     }
     Ok(out)
-}
-
-/// The single-GPU layer's Inference forward and Training forward + backward, each in its own
-/// timed loop over the rotating inputs (the deliveries' method).
-#[allow(clippy::too_many_arguments)]
-fn single_own_loops(
-    stream: &Arc<CudaStream>,
-    args: &Args,
-    cfg: MoeConfig,
-    t: usize,
-    gate_up: &CudaSlice<bf16>,
-    down: &CudaSlice<bf16>,
-    xs: &[CudaSlice<bf16>],
-    dy: &CudaSlice<bf16>,
-    (ids, wts): (&CudaSlice<i32>, &CudaSlice<f32>),
-) -> Result<(Stats, Stats), Error> {
-    let plan = MoePlan::new(cfg, t)?;
-    let weights = Weights::new(gate_up.as_view(), down.as_view());
-    let routing = || Routing::External {
-        topk_ids: ids,
-        topk_weights: wts,
-    };
-    let (mut y, mut dx) = (
-        stream.alloc_zeros::<bf16>(t * cfg.hidden)?,
-        stream.alloc_zeros::<bf16>(t * cfg.hidden)?,
-    );
-    let mut ws = MoeWorkspace::new(stream, plan.workspace_bytes(Mode::Training))?;
-    let mut inf = MoeLayer::new(stream, &plan, Mode::Inference)?;
-    let fi = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
-        Ok(inf.forward(&weights, &xs[s % xs.len()], t, routing(), &mut y, &mut ws)?)
-    })?;
-    drop(inf);
-    let mut tl = MoeLayer::new(stream, &plan, Mode::Training)?;
-    let mut g = tl.gradients()?;
-    let tfb = time_stream(stream, 3, args.samples, |s| -> Result<(), Error> {
-        tl.forward(&weights, &xs[s % xs.len()], t, routing(), &mut y, &mut ws)?;
-        Ok(tl.backward(&weights, dy, &mut dx, &mut g, false, &mut ws)?)
-    })?;
-    Ok((fi, tfb))
 }
 
 /// The round whose median is the middle one.

@@ -16,17 +16,16 @@ extern "C" void moefuse_detail_set_error(const char* fmt, ...);
 namespace moefuse {
 
 // A bf16 tensor map over `dims` (innermost first; `strides` in bytes for dims 1..) with
-// `box` elements per copy, 128-byte swizzle unless told otherwise, zero fill out of range.
+// `box` elements per copy, 128-byte swizzle, zero fill out of range.
 template <int Rank>
 inline moefuse_status encode_bf16_map(CUtensorMap* map, const void* base, const cuuint64_t (&dims)[Rank],
                                       const cuuint64_t (&strides)[Rank - 1], const cuuint32_t (&box)[Rank],
-                                      const char* what,
-                                      CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                                      const char* what) {
   cuuint32_t element_strides[Rank];
   for (int i = 0; i < Rank; ++i) element_strides[i] = 1;
   CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
       map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, Rank, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     moefuse_detail_set_error("cuTensorMapEncodeTiled(%s) failed: CUresult %d", what, int(r));
