@@ -29,13 +29,10 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe/decode_mma.cuh"
-#include "moefuse/moe/decode_ring.cuh"
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
@@ -191,140 +188,6 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   }
 }
 
-// ---- gate_up through per-warp stage rings ------------------------------------------------
-//
-// The same units, warps, K split, MMA order and epilogue as decode_gate_up_kernel (so the
-// same bits), but the weight rows arrive by bulk copies into each warp's ring (decode_ring.cuh):
-// a warp's stage = 16 rows x up to Chunks K chunks of its eighth of hidden, for the block's
-// units in order (an expert with more than 16 slots takes a pass per 16, each re-copying the
-// rows), Depth stages ahead. One block per SM.
-
-// acc[nb] += the 16 rows of a ring stage (`n_chunks` K chunks from absolute chunk c_abs)
-// times the B rows b + b_off[nb], in chunk order.
-template <int NB, int Chunks>
-__device__ __forceinline__ void stage_mma(float (&acc)[NB][4], const char* stage, int n_chunks, const uint16_t* b,
-                                          const uint32_t (&b_off)[NB], int c_abs) {
-  constexpr int kStride = decode::WarpRing<Chunks, 1>::kStride;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, k8 = t * 8;
-  const char* lo = stage + g * kStride + t * 16;
-  const char* hi = lo + 8 * kStride;
-#pragma unroll
-  for (int c = 0; c < Chunks; ++c) {
-    if (c < n_chunks) {
-      const uint4 a_lo = decode::load_shared(lo + c * 64), a_hi = decode::load_shared(hi + c * 64);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c_abs + c) * kChunk + k8));
-        decode::mma_chunk(acc[nb], a_lo, a_hi, bv);
-      }
-    }
-  }
-}
-
-// A warp's stage sequence and the producer's place in it: unit u (of the block's), pass
-// (16 slots each), K slab j of the warp's chunks [c0, c1).
-template <int Chunks, int Depth>
-struct RingFeed {
-  decode::WarpRing<Chunks, Depth> ring;
-  const moefuse_decode_args& a;
-  const Routing& rt;
-  int tiles, units, width, c0, c1, slabs;
-  int u = blockIdx.x, pass = 0, j = 0;  // the next stage to issue
-  int issued = 0, consumed = 0;
-
-  __device__ int chunks_of(int slab) const { return min(Chunks, c1 - c0 - slab * Chunks); }
-
-  // Issues the next stage of the sequence, if any.
-  __device__ void refill() {
-    if (u >= units || slabs == 0) return;
-    const int lane = threadIdx.x & 31, ti = u / tiles, tile = u - ti * tiles;
-    int lo, hi;
-    tile_rows(a, tile, lane & 7, lo, hi);  // lanes 0..7: the A tile's row g, 8..15: row g + 8
-    const uint16_t* w = a.w_gate_up + size_t(rt.expert[ti]) * width * a.hidden;
-    const uint16_t* row = w + size_t(lane < 8 ? lo : hi) * a.hidden + c0 * kChunk;
-    ring.issue(issued++, row, j * Chunks, chunks_of(j));
-    if (++j < slabs) return;
-    j = 0;
-    const int count = rt.start[ti + 1] - rt.start[ti];
-    if (++pass * 8 * kMaxGroupBlocks < count) return;
-    pass = 0;
-    u += gridDim.x;
-  }
-
-  // acc[nb] over the warp's K range for one pass (slots' x rows at b_off), stage by stage in
-  // chunk order (the register kernel's MMA order), refilling each stage once read.
-  template <int NB>
-  __device__ void pass_partial(float (&acc)[NB][4], const uint32_t (&b_off)[NB]) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-    for (int slab = 0; slab < slabs; ++slab) {
-      stage_mma<NB, Chunks>(acc, ring.wait(consumed++), chunks_of(slab), a.x, b_off, c0 + slab * Chunks);
-      __syncwarp();  // every lane has read the stage before it is refilled
-      refill();
-    }
-  }
-};
-
-template <int NB, class Feed>
-__device__ void ring_partial(Feed& feed, GateUpShared& sm, const int* slots, int n) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-  uint32_t b_off[NB];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const int col = nb * 8 + g;
-    b_off[nb] = uint32_t(slots[col < n ? col : 0] / feed.a.top_k) * uint32_t(feed.a.hidden);
-  }
-  float acc[NB][4];
-  feed.template pass_partial<NB>(acc, b_off);
-  __syncthreads();  // the previous group's partials are read
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sm.partial[warp][nb][lane][i] = acc[nb][i];
-  }
-}
-
-template <int Chunks, int Depth>
-__global__ void __launch_bounds__(kGateUpWarps * 32, 1) decode_gate_up_ring_kernel(moefuse_decode_args a) {
-  using Ring = decode::WarpRing<Chunks, Depth>;
-  __shared__ GateUpShared sm;
-  __shared__ uint64_t full[kGateUpWarps][Depth];
-  extern __shared__ __align__(128) char ring_bytes[];
-  const int warp = threadIdx.x >> 5;
-  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
-  const int width = gated ? 2 * a.intermediate : a.intermediate, chunks = a.hidden / kChunk;
-  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-  RingFeed<Chunks, Depth> feed{Ring{ring_bytes + warp * Ring::kBytes, full[warp]},
-                               a,
-                               sm.routing,
-                               width / 16,
-                               0,
-                               width,
-                               c0,
-                               c1,
-                               (c1 - c0 + Chunks - 1) / Chunks};
-  feed.ring.init();
-  decode::wait_for_prerequisite();
-  decode::allow_dependent_launch();
-  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  const Routing& rt = sm.routing;
-  const int tiles = feed.tiles, units = rt.touched * tiles;
-  feed.units = units;
-  for (int d = 0; d < Depth; ++d) feed.refill();
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const int ti = u / tiles, tile = u - ti * tiles;
-    const int first = rt.start[ti], count = rt.start[ti + 1] - first;
-    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
-      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
-      const int* slots = rt.slot + first + base;
-      if (blocks == 1) ring_partial<1>(feed, sm, slots, n);
-      else ring_partial<2>(feed, sm, slots, n);
-      __syncthreads();
-      gate_up_store(a, sm, slots, n, tile, blocks);
-    }
-  }
-}
-
 // ---- down + combine ---------------------------------------------------------------------
 
 struct DownShared {
@@ -348,10 +211,20 @@ __device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, i
   }
 }
 
-// acc's C fragments into part[p][r] (slot p of the expert's list, y column r of the tile).
 template <int NB>
-__device__ __forceinline__ void store_part(const float (&acc)[NB][4], int n, float* part) {
+__device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
+                             const uint16_t* w_hi, int c0, int c1, float* part) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint32_t b_off[NB];  // tokens * top_k * intermediate < 2^30
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int col = nb * 8 + g;
+    b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
+  }
+  float acc[NB][4];
+  // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
+  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
+  // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
@@ -365,94 +238,9 @@ __device__ __forceinline__ void store_part(const float (&acc)[NB][4], int n, flo
   }
 }
 
-template <int NB>
-__device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
-                             const uint16_t* w_hi, int c0, int c1, float* part) {
-  const int g = (threadIdx.x & 31) >> 2;
-  uint32_t b_off[NB];  // tokens * top_k * intermediate < 2^30
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const int col = nb * 8 + g;
-    b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
-  }
-  float acc[NB][4];
-  // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
-  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
-  store_part<NB>(acc, n, part);
-}
-
-// The down kernel's stage sequence through a per-warp ring (Depth > 0): for each of the
-// block's tiles, the warp's items, each item's K range in slabs of Chunks. The first Depth
-// stages are issued before the wait for h (weights do not depend on it).
-template <int Chunks, int Depth>
-struct DownFeed {
-  decode::WarpRing<Chunks, Depth> ring;
-  const moefuse_decode_args& a;
-  const Routing& rt;
-  const decode::Groups& gr;
-  int splits, items, tiles, chunks;
-  int tile = blockIdx.x, item = threadIdx.x >> 5, j = 0;  // the next stage to issue
-  int issued = 0, consumed = 0;
-
-  __device__ int range(int it, int& c0) const {
-    const int sp = it % splits;
-    c0 = chunks * sp / splits;
-    return chunks * (sp + 1) / splits - c0;
-  }
-
-  __device__ void refill() {
-    if (tile >= tiles || item >= items) return;
-    const int gi = item / splits, e = rt.expert[gr.touched[gi]];
-    int c0;
-    const int len = range(item, c0);
-    const uint16_t* row = a.w_down + (size_t(e) * a.hidden + tile * 16 + (threadIdx.x & 15)) * a.intermediate +
-                          c0 * kChunk;
-    ring.issue(issued++, row, j * Chunks, min(Chunks, len - j * Chunks));
-    if (++j * Chunks < len) return;
-    j = 0;
-    item += kDownWarps;
-    if (item < items) return;
-    item = threadIdx.x >> 5;
-    tile += gridDim.x;
-  }
-
-  // One item's y_e partials: its K range stage by stage, in chunk order.
-  template <int NB>
-  __device__ void item_partial(float (&acc)[NB][4], const uint32_t (&b_off)[NB], int it) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-    int c0;
-    const int len = range(it, c0);
-    for (int slab = 0; slab * Chunks < len; ++slab) {
-      stage_mma<NB, Chunks>(acc, ring.wait(consumed++), min(Chunks, len - slab * Chunks), a.h, b_off,
-                            c0 + slab * Chunks);
-      __syncwarp();
-      refill();
-    }
-  }
-};
-
-template <int NB, class Feed>
-__device__ __forceinline__ void ring_down_partial(Feed& feed, const int* slots, int n, int item, float* part) {
-  const int g = (threadIdx.x & 31) >> 2;
-  uint32_t b_off[NB];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const int col = nb * 8 + g;
-    b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(feed.a.intermediate);
-  }
-  float acc[NB][4];
-  feed.template item_partial<NB>(acc, b_off, item);
-  store_part<NB>(acc, n, part);
-}
-
-// Depth 0: weights straight into registers (mma_rows); Depth > 0: per-warp rings of bulk
-// copies (the ring bytes after the partials in dynamic shared memory).
-template <int Chunks, int Depth>
 __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
-  __shared__ uint64_t full[kDownWarps][Depth > 0 ? Depth : 1];
-  extern __shared__ __align__(128) float part[];  // [splits][valid slots][16], then the rings
+  extern __shared__ float part[];  // [splits][valid slots][16]
   Routing& rt = sm.routing;
   rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
   // Work items: (group of at most 16 slots of one expert, K split). The groups of one
@@ -460,6 +248,10 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   // weights at the same time and the second read meets the first in L2.
   decode::Groups& gr = sm.groups;
   gr.build(rt, 8 * kMaxGroupBlocks);
+  // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
+  // it warms L2 with its first tile's weights, then waits for h.
+  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
+  decode::wait_for_prerequisite();
   const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
   // K splits so that every warp has work when there are few groups.
   int splits = (kDownWarps + gr.count - 1) / max(gr.count, 1);
@@ -467,37 +259,20 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   const int items = gr.count * splits, tiles = a.hidden / 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int slots_total = a.tokens * a.top_k;
-  using Ring = decode::WarpRing<Chunks, Depth>;
-  // The rings start past the largest partials the launcher sized (split_cap x slots x 16).
-  char* rings = reinterpret_cast<char*>(part) + ((size_t(split_cap) * slots_total * 16 * 4 + 127) / 128) * 128;
-  DownFeed<Chunks, Depth> feed{Ring{rings + warp * Ring::kBytes, full[warp]}, a, rt, gr, splits, items, tiles, chunks};
-  if constexpr (Depth > 0) {
-    feed.ring.init();
-    for (int d = 0; d < Depth; ++d) feed.refill();
-  }
-  // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
-  // it warms L2 with its first tile's weights, then waits for h.
-  if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
-  decode::wait_for_prerequisite();
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int d0 = tile * 16;
     for (int item = warp; item < items; item += kDownWarps) {
       const int gi = item / splits, sp = item - gi * splits;
       const int ti = gr.touched[gi], e = rt.expert[ti];
+      const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
+      const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
+      const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
       const int first = rt.start[ti] + gr.base[gi];
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;
       float* p = part + (size_t(sp) * valid + first) * 16;
-      if constexpr (Depth > 0) {
-        if (n <= 8) ring_down_partial<1>(feed, slots, n, item, p);
-        else ring_down_partial<2>(feed, slots, n, item, p);
-      } else {
-        const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
-        const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
-        const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
-        if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
-        else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
-      }
+      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
     }
     __syncthreads();
     // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
@@ -542,69 +317,16 @@ Grids resident_grids() {
   if (up > 0 && down > 0) return {up, down};
   int sms = 0, up_per_sm = 0, down_per_sm = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaFuncSetAttribute(decode_down_kernel<0, 0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        int(kPartFloats * sizeof(float)));
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel<0, 0>, kDownWarps * 32,
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
                                                 kPartFloats * sizeof(float));
   up = max(1, sms) * max(1, up_per_sm);
   down = max(1, sms) * max(1, down_per_sm);
   cache[dev][0].store(up, std::memory_order_release);
   cache[dev][1].store(down, std::memory_order_release);
   return {up, down};
-}
-
-// One ring variant on one block per SM (its dynamic shared memory set on the first call).
-template <int Chunks, int Depth>
-cudaError_t launch_ring(cudaLaunchConfig_t cfg, const moefuse_decode_args& a) {
-  constexpr int kBytes = kGateUpWarps * decode::WarpRing<Chunks, Depth>::kBytes;
-  static const bool ready = cudaFuncSetAttribute(decode_gate_up_ring_kernel<Chunks, Depth>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) == cudaSuccess;
-  if (!ready) return cudaErrorInvalidValue;
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cfg.gridDim = dim3(min(int(cfg.gridDim.x), max(1, sms)));
-  cfg.dynamicSmemBytes = kBytes;
-  return cudaLaunchKernelEx(&cfg, decode_gate_up_ring_kernel<Chunks, Depth>, a);
-}
-
-// The down kernel (Depth 0: registers; else per-warp rings after the partials in dynamic
-// shared memory, which then leave the partials less room).
-template <int Chunks, int Depth>
-cudaError_t launch_down(cudaLaunchAttribute* attr, cudaStream_t s, int grid, int slots, const moefuse_decode_args& a) {
-  constexpr size_t kRingBytes = Depth > 0 ? size_t(kDownWarps) * decode::WarpRing<Chunks, Depth>::kBytes : 0;
-  int part_floats = kPartFloats;
-  if constexpr (Depth > 0) {
-    static int budget = [] {
-      cudaFuncAttributes fa = {};
-      int dev = 0, optin = 0;
-      cudaGetDevice(&dev);
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-      if (cudaFuncGetAttributes(&fa, decode_down_kernel<Chunks, Depth>) != cudaSuccess) return 0;
-      const long room = long(optin) - long(fa.sharedSizeBytes) - long(kRingBytes) - 128;
-      if (room <= 0) return 0;
-      cudaFuncSetAttribute(decode_down_kernel<Chunks, Depth>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           int(optin - fa.sharedSizeBytes));
-      return int(room / 4);
-    }();
-    part_floats = budget;
-    if (part_floats < 16 * slots) return launch_down<0, 0>(attr, s, grid, slots, a);  // no room: registers
-  }
-  // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
-  // few experts are touched; a token names top_k distinct experts, so at least top_k are
-  // touched (a duplicate id can only lower the splits the kernel takes: it clamps).
-  const int split_cap = max(1, min((kDownWarps + a.top_k - 1) / a.top_k, part_floats / (16 * slots)));
-  size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
-  if constexpr (Depth > 0) smem = (smem + 127) / 128 * 128 + kRingBytes;
-  cudaLaunchConfig_t launch = {};
-  launch.gridDim = dim3(min(grid, a.hidden / 16));
-  launch.blockDim = dim3(kDownWarps * 32);
-  launch.dynamicSmemBytes = smem;
-  launch.stream = s;
-  launch.attrs = attr;
-  launch.numAttrs = 1;
-  return cudaLaunchKernelEx(&launch, decode_down_kernel<Chunks, Depth>, a, split_cap);
 }
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
@@ -662,28 +384,21 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  // EXPERIMENT (to be removed once measured): MOEFUSE_DECODE_RING=8x2|4x4|2x8|4x5|2x10 streams the
-  // gate_up weights through per-warp rings of bulk copies (Chunks x Depth), one block per SM.
-  static const char* ring_env = getenv("MOEFUSE_DECODE_RING");
-  const std::string ring = ring_env ? ring_env : "";
-  cudaError_t up_err;
-  if (ring == "8x2") up_err = launch_ring<8, 2>(up, *a);
-  else if (ring == "4x4") up_err = launch_ring<4, 4>(up, *a);
-  else if (ring == "2x8") up_err = launch_ring<2, 8>(up, *a);
-  else if (ring == "4x5") up_err = launch_ring<4, 5>(up, *a);
-  else if (ring == "2x10") up_err = launch_ring<2, 10>(up, *a);
-  else up_err = cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a);
-  if (up_err != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
   // touched (a duplicate id can only lower the splits the kernel takes: it clamps).
-  static const char* down_env = getenv("MOEFUSE_DECODE_DOWN_RING");
-  const std::string down_ring = down_env ? down_env : "";
-  cudaError_t down_err;
-  if (down_ring == "4x2") down_err = launch_down<4, 2>(attr, s, grids.down, slots, *a);
-  else if (down_ring == "2x4") down_err = launch_down<2, 4>(attr, s, grids.down, slots, *a);
-  else down_err = launch_down<0, 0>(attr, s, grids.down, slots, *a);
-  if (down_err != cudaSuccess) return after_launch(name);
+  const int split_cap =
+      max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kPartFloats / (16 * slots)));
+  const size_t smem = size_t(split_cap) * slots * 16 * sizeof(float);
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(min(grids.down, a->hidden / 16));
+  launch.blockDim = dim3(kDownWarps * 32);
+  launch.dynamicSmemBytes = smem;
+  launch.stream = s;
+  launch.attrs = attr;
+  launch.numAttrs = 1;
+  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }
