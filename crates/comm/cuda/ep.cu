@@ -4,7 +4,7 @@
 // (hello at construction, abort on a host-side error):
 //
 //   kernel          grid        what it does
-//   count           T/256       per-chunk counts per expert and per destination rank, and the
+//   count           T/64        per-chunk counts per expert and per destination rank, and the
 //                               stable rank of every (token, slot) inside its chunk; its last
 //                               block runs notify: bumps the epoch; chunk counts -> bases;
 //                               sends this rank's count row to every PE, waits for theirs;
@@ -91,7 +91,7 @@ using namespace moefuse::rows;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = MOEFUSE_EP_CHUNK;
-static_assert(kChunk == kWarps * 32, "count: one token per lane step, 32 tokens per warp");
+static_assert(kChunk % kWarps == 0 && kChunk / kWarps <= 32, "count: each warp ranks at most 32 tokens");
 static_assert(sizeof(moefuse_ep_params) == 400 && offsetof(moefuse_ep_params, recv_dst) == 344 &&
                   offsetof(moefuse_ep_params, dy_home) == 352 && offsetof(moefuse_ep_params, recv_x) == 216 &&
                   offsetof(moefuse_ep_params, timeout_ns) == 264 && offsetof(moefuse_ep_params, hello) == 304 &&
@@ -260,13 +260,14 @@ __device__ void notify(const moefuse_ep_params& p) {
   int* mine = p.meta + me * C;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
     int run = 0;
-    // 8 chunks' loads in flight at a time (written by the other count blocks: from L2).
-    for (int ch0 = 0; ch0 < chunks; ch0 += 8) {
-      int v[8];
+    // 32 chunks' loads in flight at a time (written by the other count blocks: from L2); a
+    // chunk is 64 tokens, so T = 8192 is four rounds.
+    for (int ch0 = 0; ch0 < chunks; ch0 += 32) {
+      int v[32];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = ch0 + u < chunks ? __ldcg(p.chunk_cnt + (ch0 + u) * C + c) : 0;
+      for (int u = 0; u < 32; ++u) v[u] = ch0 + u < chunks ? __ldcg(p.chunk_cnt + (ch0 + u) * C + c) : 0;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
+      for (int u = 0; u < 32; ++u) {
         if (ch0 + u < chunks) p.chunk_cnt[(ch0 + u) * C + c] = run;
         run += v[u];
       }
@@ -347,12 +348,13 @@ __device__ void notify(const moefuse_ep_params& p) {
 
 }  // namespace
 
-// ---- count (+ notify): grid T/256, block 32 * kCountWarps, dynamic smem
-// (kCountWarps * C + kCountWarps * kTok * top_k) ints, kTok = 256 / kCountWarps tokens per warp.
-// The chunk's positions are in token order whatever kCountWarps is (warp order is token
-// order), so both variants write the same tables.
-template <int kCountWarps>
+// ---- count (+ notify): grid T/kChunk, block 256, dynamic smem (kWarps * C + kChunk * top_k)
+// ints: 8 warps of 8 tokens per 64-token chunk (warp order is token order). Its time is the
+// dependent rank_slots steps, bound per SM (MATCH.ANY and shared atomics): 32 warps of 8
+// tokens on one SM per 256-token chunk took as long as 8 warps of 32 (sessions 13-14), so
+// chunks are 64 tokens, on four times the SMs.
 __device__ __forceinline__ void count_chunk(const moefuse_ep_params& p, int* smem) {
+  constexpr int kCountWarps = kWarps;
   constexpr int kTok = kChunk / kCountWarps;
   static_assert(kTok * kCountWarps == kChunk && kTok <= 32, "count: at most 32 tokens per warp");
   const int C = row_width(p), k = p.top_k;
@@ -426,92 +428,15 @@ __device__ __forceinline__ void count_chunk(const moefuse_ep_params& p, int* sme
 
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_ep_params p) {
   extern __shared__ int smem[];
-  count_chunk<kWarps>(p, smem);
+  count_chunk(p, smem);
 }
-
-// 32 warps of 8 tokens: a quarter of the dependent rank_slots steps per warp and four times
-// the warps per chunk (the 256-warp variant's count is bound by those serial steps on one SM
-// per chunk: docs/perf-notes.md, session 13). Chosen with MOEFUSE_EP_COUNT=wide while it is
-// measured.
-extern "C" __global__ void __launch_bounds__(1024) moefuse_ep_count_wide(moefuse_ep_params p) {
-  extern __shared__ int smem[];
-  count_chunk<32>(p, smem);
-}
-
-// ---- bulk row copies (the dispatch's opt-in variant) -----------------------------------
-// One warp's lane 0 copies a row into several destinations through two shared-memory pieces:
-// a bulk load (cp.async.bulk, completing on the piece's mbarrier), then one bulk store per
-// destination, committed as one group; nothing is held in registers, so the stores of many
-// pieces are in flight at once. A piece is reloaded only after the stores that read it two
-// pieces ago have read it (wait_group.read 1).
-constexpr int kBulkPiece = 2048;  // bytes per piece; two per warp (32 KiB per 8-warp block)
-
-struct BulkWarp {
-  alignas(128) unsigned char piece[2][kBulkPiece];
-  uint64_t full[2];  // mbarriers, one per piece
-};
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Lane 0 of the warp, once, before any copy.
-__device__ __forceinline__ void bulk_init(BulkWarp& w) {
-  for (int b = 0; b < 2; ++b) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&w.full[b])) : "memory");
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// Lane 0: `bytes` (a multiple of 16) from `src` into each of the n_dst rows; `pieces` counts
-// this warp's pieces (buffer and phase).
-__device__ void bulk_copy_row(BulkWarp& w, uint32_t& pieces, uint4* const* dst, int n_dst, const void* src,
-                              int bytes) {
-  for (int off = 0; off < bytes; off += kBulkPiece) {
-    const int n = min(kBulkPiece, bytes - off);
-    const int b = pieces & 1;
-    const uint32_t parity = (pieces >> 1) & 1;
-    const uint32_t buf = smem_addr(w.piece[b]), bar = smem_addr(&w.full[b]);
-    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(buf),
-                 "l"(static_cast<const char*>(src) + off), "r"(n), "r"(bar)
-                 : "memory");
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    }
-    for (int j = 0; j < n_dst; ++j) {
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                       reinterpret_cast<char*>(dst[j]) + off),
-                   "r"(buf), "r"(n)
-                   : "memory");
-    }
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    ++pieces;
-  }
-}
-
-// Lane 0, before the kernel's completion signal: every bulk store has been written.
-__device__ __forceinline__ void bulk_drain() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // ---- dispatch: grid G, block 256 ------------------------------------------------------
-// kBulk: this rank's own expert-major rows are written by bulk copies through shared memory
-// (bulk_copy_row) instead of through registers (warp_copy_row_to); everything else is the same.
-template <bool kBulk>
-__device__ __forceinline__ void dispatch_rows(const moefuse_ep_params& p) {
+extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
   __shared__ PeerTable peers;
   __shared__ uint4* dst_rows[kWarps][kMaxTopK];
-  __shared__ BulkWarp bulk[kBulk ? kWarps : 1];
-  uint32_t pieces = 0;  // lane 0's bulk pieces
   const uint64_t epoch = *p.epoch;
   if (skip_send(p, epoch)) return;
-  if (kBulk && threadIdx.x % 32 == 0) bulk_init(bulk[threadIdx.x / 32]);
   fill_peers(peers, p);
   const int C = row_width(p), k = p.top_k, D = p.hidden;
   const int lane = threadIdx.x % 32;
@@ -562,15 +487,8 @@ __device__ __forceinline__ void dispatch_rows(const moefuse_ep_params& p) {
         if (lane < k) p.stage_w[i * k + lane] = w;
         if (!p.pull) {
           __syncwarp();
-          if constexpr (kBulk) {
-            if (lane == 0) {
-              bulk_copy_row(bulk[threadIdx.x / 32], pieces, dst_rows[threadIdx.x / 32], __popc(valid), src,
-                            D * int(sizeof(uint16_t)));
-            }
-          } else {
-            warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8,
-                             lane);
-          }
+          warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8,
+                           lane);
         }
         __syncwarp();
       } else if (uint16_t* peer_x = peers.stage_x[d]) {
@@ -588,17 +506,7 @@ __device__ __forceinline__ void dispatch_rows(const moefuse_ep_params& p) {
       }
     }
   }
-  if (kBulk && threadIdx.x % 32 == 0) bulk_drain();
   last_block_signals(p, p.done + 0, p.disp_sig, epoch);
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
-  dispatch_rows<false>(p);
-}
-
-// Chosen with MOEFUSE_EP_COPY=bulk while it is measured (docs/perf-notes.md, session 13).
-extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch_bulk(moefuse_ep_params p) {
-  dispatch_rows<true>(p);
 }
 
 // ---- expand: grid G, block 256 --------------------------------------------------------

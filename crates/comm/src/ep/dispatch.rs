@@ -143,9 +143,7 @@ impl ExpertParallel {
             ..self.base
         };
         let chunks = tokens.div_ceil(params::CHUNK).max(1) as u32;
-        let warps = self.kernels.count_warps;
-        let count_smem =
-            super::setup::count_smem_bytes(warps, &self.cfg, self.place.ranks()) as u32;
+        let count_smem = super::setup::count_smem_bytes(&self.cfg, self.place.ranks()) as u32;
         let kn = &self.kernels;
         // SAFETY: `p` mirrors `moefuse_ep_params` (layout test); its buffers are owned by
         // `self` and sized from the config, the caller's were checked above (length,
@@ -153,7 +151,7 @@ impl ExpertParallel {
         // queued (stream order does the rest).
         unsafe {
             self.module
-                .launch(kn.count, &s, chunks, 32 * warps as u32, count_smem, &p)?;
+                .launch(kn.count, &s, chunks, 256, count_smem, &p)?;
             self.module.launch(kn.dispatch, &s, self.grid, 256, 0, &p)?;
             // One PE: dispatch wrote every expert-major row itself; nothing to expand.
             if self.place.ranks() > 1 {

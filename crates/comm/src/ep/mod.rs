@@ -237,9 +237,6 @@ enum PulledState {
 struct Kernels {
     /// count, whose last block runs notify.
     count: Kernel,
-    /// Warps per count block: 8 (32 tokens each), or 32 (8 tokens each) for
-    /// `moefuse_ep_count_wide`, chosen with `MOEFUSE_EP_COUNT=wide` while it is measured.
-    count_warps: usize,
     dispatch: Kernel,
     expand: Kernel,
     combine_send: Kernel,

@@ -3,7 +3,9 @@
 //! header's constants.
 
 /// Tokens per block of the count kernel (`MOEFUSE_EP_CHUNK`).
-pub(crate) const CHUNK: usize = 256;
+pub(crate) const CHUNK: usize = 64;
+/// Warps per block of the count kernel (`kWarps` in ep.cu), `CHUNK / COUNT_WARPS` tokens each.
+pub(crate) const COUNT_WARPS: usize = 8;
 /// `status[1]` bits (`MOEFUSE_EP_*`).
 pub(crate) const BAD_EXPERT_ID: u32 = 1;
 pub(crate) const DUPLICATE_EXPERT: u32 = 2;

@@ -62,26 +62,9 @@ impl ExpertParallel {
             });
         }
         let module = DeviceModule::load(runtime, "ep")?;
-        // The wide count (32 warps of 8 tokens per chunk, the same tables) only where its
-        // per-warp histograms fit the default 48 KiB of dynamic shared memory.
-        let wide = std::env::var("MOEFUSE_EP_COUNT").is_ok_and(|v| v == "wide")
-            && count_smem_bytes(32, &cfg, ranks) <= 48 * 1024;
         let kernels = Kernels {
-            count: module.kernel(if wide {
-                "moefuse_ep_count_wide"
-            } else {
-                "moefuse_ep_count"
-            })?,
-            count_warps: if wide { 32 } else { 8 },
-            // This rank's own rows by bulk copies through shared memory (opt-in while it is
-            // measured: MOEFUSE_EP_COPY=bulk).
-            dispatch: module.kernel(
-                if std::env::var("MOEFUSE_EP_COPY").is_ok_and(|v| v == "bulk") {
-                    "moefuse_ep_dispatch_bulk"
-                } else {
-                    "moefuse_ep_dispatch"
-                },
-            )?,
+            count: module.kernel("moefuse_ep_count")?,
+            dispatch: module.kernel("moefuse_ep_dispatch")?,
             expand: module.kernel("moefuse_ep_expand")?,
             combine_send: module.kernel("moefuse_ep_combine_send")?,
             combine_reduce: module.kernel("moefuse_ep_combine_reduce")?,
@@ -302,11 +285,10 @@ impl ExpertParallel {
     }
 }
 
-/// Dynamic shared memory of a count block of `warps` warps: a histogram row of
-/// `experts + ranks` counters per warp and the warp's tokens' routing.
-pub(super) fn count_smem_bytes(warps: usize, cfg: &EpConfig, ranks: usize) -> usize {
-    let tokens_per_warp = params::CHUNK / warps;
-    warps * (cfg.experts + ranks + tokens_per_warp * cfg.top_k) * 4
+/// Dynamic shared memory of a count block: a histogram row of `experts + ranks` counters
+/// per warp and the chunk's routing.
+pub(super) fn count_smem_bytes(cfg: &EpConfig, ranks: usize) -> usize {
+    (params::COUNT_WARPS * (cfg.experts + ranks) + params::CHUNK * cfg.top_k) * 4
 }
 
 #[cfg(test)]
@@ -314,15 +296,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn count_shared_memory_per_variant() {
-        // Qwen3-30B-A3B at 8 ranks: 8 warps of 32 tokens, or 32 warps of 8 tokens (top-8).
+    fn count_shared_memory() {
+        // Qwen3-30B-A3B at 8 ranks: 8 warps of 8 tokens, top-8.
         let cfg = EpConfig::new(128, 8, 2048, 4096);
-        assert_eq!(count_smem_bytes(8, &cfg, 8), 8 * (128 + 8 + 32 * 8) * 4);
-        assert_eq!(count_smem_bytes(32, &cfg, 8), 32 * (128 + 8 + 8 * 8) * 4);
-        // DeepSeek-V3 at 8 ranks still fits the wide variant's 48 KiB; 1024 experts do not.
-        let dsv3 = EpConfig::new(256, 8, 7168, 4096);
-        assert!(count_smem_bytes(32, &dsv3, 8) <= 48 * 1024);
-        let huge = EpConfig::new(1024, 8, 2048, 4096);
-        assert!(count_smem_bytes(32, &huge, 8) > 48 * 1024);
+        assert_eq!(count_smem_bytes(&cfg, 8), (8 * (128 + 8) + 64 * 8) * 4);
+        // The largest expert count the spec allows still fits the default 48 KiB.
+        let widest = EpConfig::new(super::super::MAX_EXPERTS, 16, 2048, 4096);
+        assert!(count_smem_bytes(&widest, super::super::MAX_RANKS) <= 48 * 1024);
     }
 }

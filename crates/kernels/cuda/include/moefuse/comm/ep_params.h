@@ -29,8 +29,8 @@
 extern "C" {
 #endif
 
-/* Tokens per block of the count kernel (8 warps x 32 tokens). */
-#define MOEFUSE_EP_CHUNK 256
+/* Tokens per block of the count kernel (8 warps x 8 tokens). */
+#define MOEFUSE_EP_CHUNK 64
 
 /* Largest world (peer tables in shared memory; crates/comm checks it before launch). */
 #define MOEFUSE_EP_MAX_RANKS 64
