@@ -45,8 +45,20 @@ impl Rng {
         Rng(seed)
     }
 
-    /// A seed from the clock, so every run draws fresh inputs (print it on failure).
+    /// A seed from the clock, so every run draws fresh inputs (print it on failure), or
+    /// `MOEFUSE_TEST_SEED` where it is set, to replay a printed failure.
+    ///
+    /// ```
+    /// let mut rng = moefuse_testkit::Rng::new(moefuse_testkit::Rng::fresh_seed());
+    /// let _ = rng.next_u64();
+    /// ```
     pub fn fresh_seed() -> u64 {
+        if let Some(seed) = std::env::var("MOEFUSE_TEST_SEED")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            return seed;
+        }
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();

@@ -232,14 +232,24 @@ pub fn bits32(v: &[f32]) -> Vec<u32> {
 
 pub const REL: f64 = 2e-2;
 
-/// `sqrt(Σ_d (dy[t, d] · y_e[row(s), d])²)` per slot `s = t·k + j` (f64, the reference's
-/// own terms; 0 for a dropped slot): the scale of the rounding error of the dot product
-/// `d_topk_weights[s] = ⟨dy[t], y_e⟩`, which a random walk of per-term roundings gives
-/// whatever the dot itself is. When the terms cancel, the dot is far smaller than that
-/// scale and a bound relative to the dot alone fails on correct results (the GPU computes
-/// the same gradient as `⟨dy·D_e, h⟩` from other bf16 roundings; seed 1796398844076663834
-/// gave 3.4e-2 on a T = 1, k = 2 case).
-pub fn dot_scales(fwd: &reference::ForwardOutput, dy: &[f32], d: usize) -> Vec<f64> {
+/// The rounding scale of `d_topk_weights[s] = ⟨dy[t], y_e⟩` per slot `s = t·k + j` (f64,
+/// from the reference's own terms; 0 for a dropped slot): the larger of the two ways the
+/// dot is computed, `sqrt(Σ_d (dy[t, d] · y_e[row(s), d])²)` (over D) and
+/// `sqrt(Σ_i (g[i] · h[row(s), i])²)` with `g = dy[t] · D_e` (over I: the GPU's down dgrad
+/// forms it as `⟨dy·D_e, h⟩` from bf16 `h`). A random walk of per-term roundings gives an
+/// error of that scale whatever the dot itself is: when the terms cancel, the dot is far
+/// smaller and a bound relative to the dot alone fails on correct results (seed
+/// 1796398844076663834 gave 3.4e-2 on a T = 1, k = 2 case). The I-side terms can be far
+/// larger than the D-side ones, as `y_e = h·D_eᵀ` itself cancels: with the D side alone,
+/// `swiglu_top16_every_expert_t64` (D = I = 64) failed 2 runs in 7 on the H200 at 2.02e-2
+/// (seeds 1796526014972188235, 1796529664537685677).
+pub fn dot_scales(
+    fwd: &reference::ForwardOutput,
+    dy: &[f32],
+    down: &[f32],
+    d: usize,
+    i: usize,
+) -> Vec<f64> {
     fwd.permutation
         .row_of
         .iter()
@@ -249,13 +259,26 @@ pub fn dot_scales(fwd: &reference::ForwardOutput, dy: &[f32], d: usize) -> Vec<f
                 return 0.0;
             }
             let t = s / fwd.routing.top_k;
-            let ye = &fwd.y_e[row as usize * d..(row as usize + 1) * d];
+            let e = fwd.routing.topk_ids[s] as usize;
+            let row = row as usize;
+            let ye = &fwd.y_e[row * d..(row + 1) * d];
             let g = &dy[t * d..(t + 1) * d];
-            g.iter()
+            let over_d = g
+                .iter()
                 .zip(ye)
                 .map(|(a, b)| (f64::from(*a) * f64::from(*b)).powi(2))
-                .sum::<f64>()
-                .sqrt()
+                .sum::<f64>();
+            let d_e = &down[e * d * i..(e + 1) * d * i];
+            let h = &fwd.h[row * i..(row + 1) * i];
+            let over_i = (0..i)
+                .map(|c| {
+                    let gc: f64 = (0..d)
+                        .map(|r| f64::from(g[r]) * f64::from(d_e[r * i + c]))
+                        .sum();
+                    (gc * f64::from(h[c])).powi(2)
+                })
+                .sum::<f64>();
+            over_d.max(over_i).sqrt()
         })
         .collect()
 }
@@ -367,7 +390,7 @@ pub fn check_case(
     check_dots(
         &dtw[..t * k],
         &grads.d_topk_weights,
-        &dot_scales(&fwd, &inp.dy, d),
+        &dot_scales(&fwd, &inp.dy, &inp.w.down, d, case.cfg.intermediate),
         REL,
         &what("d_topk_weights"),
     )?;
