@@ -27,6 +27,8 @@
 
 namespace moefuse::epilogue {
 
+CUTE_DEVICE uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
 // One warp group's two 64 x 64 bf16 slabs (128-byte rows, swizzled as the map's
 // CU_TENSOR_MAP_SWIZZLE_128B expects: 1024-byte aligned).
 struct TmaSlabs {
@@ -87,6 +89,74 @@ CUTE_DEVICE void store_tile_tma(Accum const& acc, TiledMma const& tiled_mma, int
       tma_store_arrive();
     }
     ++passes;
+  }
+}
+
+// store_tile_tma for either consumer schedule, the slab written by stmatrix (4 instructions
+// per 64-column pass instead of 16 fragment stores). UNTESTED ON GPU (2026-12-06: the device
+// budget ran out before its first run); the ping-pong wgrad uses it, opt-in. Once checked and
+// timed it replaces store_tile_tma (docs/perf-notes.md, session 14).
+// Consumer perspective (one warp group, 128 threads, named barrier `barrier_id`, its own
+// `slabs`): stores the warp group's rows of the tile at (row0, col0) of matrix `matrix`
+// through `map` (a 3-D bf16 map (cols, rows, matrices), box 64 x 64 x 1, 128-byte swizzle):
+// the accumulator's MMA_M 64-row halves (1 for a cooperative pair, whose warp group owns
+// rows [wg_row0, wg_row0 + 64); 2 for a ping-pong warp group, wg_row0 = 0, owning all 128).
+// The tile's first `rows` rows and `cols` columns are inside the matrix (the map clips the
+// rest). `passes` counts this warp group's passes over the kernel's life (slab parity).
+// The accumulator is the WGMMA m64nN layout: warp w of the group holds rows 16w + lane / 4
+// and + 8 of each 64-row half, columns 8j + 2(lane % 4) (+1) of column block j, at mode-0
+// index 2h + 4j (+1) (h: the + 8 half).
+template <class TileShape, class Accum>
+CUTE_DEVICE void store_tile_tma_stmatrix(Accum const& acc, int mma_thread_idx, int wg_row0, TmaSlabs& slabs,
+                                uint32_t barrier_id, CUtensorMap const* map, int matrix, int row0, int rows, int col0,
+                                int cols, float alpha, uint32_t& passes) {
+  using namespace cute;
+  constexpr int kN = size<1>(TileShape{});
+  constexpr int kCols = TmaSlabs::kCols;
+  constexpr int kHalves = decltype(size<1>(acc))::value;
+  static_assert(decltype(size<2>(acc))::value == 1 && decltype(size<0>(acc))::value == kN / 2,
+                "store_tile_tma_stmatrix: an m64nN WGMMA accumulator per 64-row half");
+  const bool issuer = mma_thread_idx % 128 == 0;
+  const int lane = mma_thread_idx % 32, warp_row = 16 * ((mma_thread_idx % 128) / 32);
+  CUTE_UNROLL
+  for (int half = 0; half < kHalves; ++half) {
+    const int r0 = wg_row0 + 64 * half;
+    if (rows <= r0) return;  // the matrix ends above these rows
+    CUTE_UNROLL
+    for (int pass = 0; pass < kN / kCols; ++pass) {
+      if (pass * kCols >= cols) break;
+      char* slab = slabs.slab[passes & 1];
+      if (issuer) tma_store_wait<1>();  // the store before last read this slab
+      cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id);
+      // Fragments -> shared by stmatrix: a lane's bf16 pair of 8 x 8 block (j, h) is the
+      // block's fragment as stmatrix takes it, so one x4 instruction writes 4 blocks (two
+      // column blocks x two row halves), 4 per pass; lane l gives the address of row l % 8
+      // of block l / 8. The swizzle puts a block's 8 rows in 8 different 16-byte chunks.
+      CUTE_UNROLL
+      for (int jp = 0; jp < kCols / 16; ++jp) {
+        const int j0 = pass * (kCols / 8) + 2 * jp;
+        uint32_t v[4];
+        CUTE_UNROLL
+        for (int q = 0; q < 4; ++q) {
+          const int i = 2 * (q % 2) + 4 * (j0 + q / 2);
+          __nv_bfloat162 b =
+              __float22bfloat162_rn(make_float2(alpha * acc(i, half, 0), alpha * acc(i + 1, half, 0)));
+          v[q] = *reinterpret_cast<uint32_t*>(&b);
+        }
+        const int q = lane / 8, r = warp_row + (q % 2) * 8 + lane % 8;
+        const uint32_t addr = smem_u32(slab + TmaSlabs::offset(r, 2 * jp + q / 2));
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v[0]),
+                     "r"(v[1]), "r"(v[2]), "r"(v[3])
+                     : "memory");
+      }
+      tma_store_fence();  // the generic-proxy writes, visible to the TMA unit
+      cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id);
+      if (issuer) {
+        SM90_TMA_STORE_3D::copy(map, slab, col0 + pass * kCols, row0 + r0, matrix);
+        tma_store_arrive();
+      }
+      ++passes;
+    }
   }
 }
 

@@ -11,6 +11,8 @@
 //                   128 threads with 16-byte cp.async (swizzled by
 //                   hand), rows past the group's end zero-filled
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + store         232
+//                   (ping-pong: one whole 128 x N tile each, WGMMA
+//                   64xN twice per k-step, mainloops in turn)
 //
 // With kClusterM = 2 the CTAs of a pair take the same (group, n-block) at m-blocks 2u and
 // 2u + 1 and share B's four 64-wide strips of each whole chunk: CTA r loads strips 2r and
@@ -51,7 +53,7 @@ union ContiguousWgradEpilogue {
   epilogue::TmaStoreStorage tma;
 };
 
-template <class Mainloop_, int kClusterM_ = 1>
+template <class Mainloop_, int kClusterM_ = 1, bool kPingpong_ = false>
 struct Sm90ContiguousWgrad {
   using Mainloop = Mainloop_;
   using TileShape = typename Mainloop::TileShape;
@@ -68,6 +70,16 @@ struct Sm90ContiguousWgrad {
   static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1, "sm90 contiguous wgrad: a 1x1 collective");
   static constexpr int kClusterM = kClusterM_;
   static_assert(kClusterM == 1 || kClusterM == 2, "sm90 contiguous wgrad: clusters of 1 or 2 CTAs along M");
+  // Ping-pong: each consumer warp group owns whole tiles (the CTA's even tiles for warp
+  // group 1, odd for 2), their mainloops in turn (an ordered barrier passes the turn after
+  // the last k-block's MMAs are issued), so one group's epilogue runs beside the other's
+  // MMAs. Cooperative: both groups share each tile, 64 rows each, epilogue then mainloop.
+  static constexpr bool kPingpong = kPingpong_;
+  static_assert(!kPingpong || kClusterM == 1, "sm90 contiguous wgrad: ping-pong on 1x1 clusters only");
+  static_assert(kPingpong == (cute::size(TiledMma{}) == 128), "sm90 contiguous wgrad: a 128-thread MMA for ping-pong");
+  using OrderBarrier = cutlass::OrderedSequenceBarrier<1, 2>;
+  struct NoOrder {};
+  using OrderStorage = std::conditional_t<kPingpong, typename OrderBarrier::SharedStorage, NoOrder>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
 
   static constexpr int kThreads = 384;
@@ -86,6 +98,7 @@ struct Sm90ContiguousWgrad {
   struct SharedStorage {
     typename Mainloop::TensorStorage tensors;
     alignas(16) typename Mainloop::PipelineStorage pipeline;
+    alignas(16) OrderStorage order;
     ContiguousWgradEpilogue epilogue;
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
@@ -205,6 +218,56 @@ struct Sm90ContiguousWgrad {
     }
   }
 
+  // Ping-pong consumer warp group `wg` (0 or 1): the CTA's tiles j with j % 2 == wg, whole
+  // (128 rows); the other group's k-blocks are skipped in the read state. Each mainloop waits
+  // for the turn and passes it on once its MMAs are issued, so the stages are consumed in the
+  // producer's order and a group waits on a stage only after the other has passed it (a
+  // barrier's phase is never waited on two laps ahead). Tiles with no k-blocks take their turn
+  // too, so the turns alternate with the tiles. beta == 0 only (TMA stores; the launcher
+  // keeps beta != 0 on the cooperative kernel).
+  CUTE_DEVICE static void consume_pingpong(Params const& p, MainloopPipeline& pipeline, OrderBarrier& order,
+                                           SharedStorage& shared, int wg, int first, int stride, int m_units,
+                                           int n_blocks) {
+    using namespace cute;
+    const int mma_thread_idx = int(threadIdx.x) % 128;
+    TiledMma tiled_mma;
+    Mainloop mainloop;
+    PipelineState read;
+    uint32_t store_passes = 0;
+    Tile tile;
+    int j = 0;
+    for (int i = first; tile_at(p, i, m_units, n_blocks, 0, tile); i += stride, ++j) {
+      const int k_tiles = (tile.rows.rows() + kTileK - 1) / kTileK;
+      if ((j & 1) != wg) {
+        read.advance(k_tiles);  // the other group's tile
+        continue;
+      }
+      const int m0 = tile.m_block * kTileM, n0 = tile.n_block * kTileN;
+      auto store = [&](auto const& acc) {
+        epilogue::store_tile_tma_stmatrix<TileShape>(acc, mma_thread_idx, 0, shared.epilogue.tma.wg[wg],
+                                                     kEpilogueBarrier + wg,
+                                            &p.d_tile, tile.group, m0, min(kTileM, p.m - m0), n0,
+                                            min(kTileN, p.n - n0), p.alpha, store_passes);
+      };
+      auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA, 2, 1)
+      order.wait();
+      // Two paths, each with its own store: an accumulator merged from both (MMA results or
+      // zeros) made ptxas copy and spill the WGMMA registers.
+      if (k_tiles > 0) {
+        mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
+        order.arrive();
+        mainloop.mma_tail(pipeline, read, k_tiles);
+        read.advance(k_tiles);
+        store(acc);
+      } else {
+        order.arrive();
+        clear(acc);  // an empty group: D_e = 0
+        store(acc);
+      }
+    }
+    epilogue::store_tile_tma_tail(mma_thread_idx);
+  }
+
   CUTE_DEVICE void operator()(Params const& p, char* smem) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace cute;
@@ -223,10 +286,23 @@ struct Sm90ContiguousWgrad {
     pipe_params.role = role == Role::Producer ? MainloopPipeline::ThreadCategory::Producer
                                               : MainloopPipeline::ThreadCategory::Consumer;
     pipe_params.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
-    pipe_params.num_consumers = kMmaThreads;
+    pipe_params.num_consumers = kPingpong ? 128 : kMmaThreads;  // the threads that release a stage
     pipe_params.num_producers = 1 + kProducerThreads;
     pipe_params.transaction_bytes = 0;  // thread 0 expects a TMA chunk's bytes itself
     MainloopPipeline pipeline(shared.pipeline, pipe_params, ClusterShape{});
+    // Ping-pong: every thread constructs the turn barrier (warp 0 initialises it); only the
+    // consumers use it. The cooperative kernel has none.
+    auto make_order = [&] {
+      if constexpr (kPingpong) {
+        typename OrderBarrier::Params order_params{};
+        order_params.group_id = warp_group == 2 ? 1 : 0;
+        order_params.group_size = 128;
+        return OrderBarrier(shared.order, order_params);
+      } else {
+        return 0;
+      }
+    };
+    auto order = make_order();
     if constexpr (kClusterM > 1) {
       cute::cluster_sync();  // the peer's barriers initialised before any multicast or remote release
     } else {
@@ -249,6 +325,9 @@ struct Sm90ContiguousWgrad {
       __syncwarp();
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
+      if constexpr (kPingpong) {
+        consume_pingpong(p, pipeline, order, shared, warp_group - 1, first, stride, m_units, n_blocks);
+      } else {
       const int mma_thread_idx = thread_idx % kMmaThreads;
       TiledMma tiled_mma;
       Mainloop mainloop;
@@ -290,6 +369,7 @@ struct Sm90ContiguousWgrad {
         }
       }
       epilogue::store_tile_tma_tail(mma_thread_idx);
+      }
     }
 #else
     __trap();

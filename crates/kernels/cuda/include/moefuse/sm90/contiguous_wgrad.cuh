@@ -14,6 +14,26 @@
 
 namespace moefuse::sm90 {
 
+// The boxes write where the collective's layouts put them: 64-wide MN strips of 64 x
+// 128-byte rows (one row per reduction index), strips one after the other, 128-byte swizzle.
+template <class Mainloop, class Kernel>
+struct StageLayoutsMatch {
+  using SmemA = typename Mainloop::SmemLayoutA;
+  using SmemB = typename Mainloop::SmemLayoutB;
+  static_assert(cute::is_same_v<decltype(SmemA{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
+                    cute::is_same_v<decltype(SmemB{}.layout_a()), cute::Swizzle<3, 4, 3>>,
+                "sm90 contiguous wgrad: 128-byte swizzled stages");
+  static_assert(SmemA{}.layout_b()(1, 0, 0) == 1 && SmemA{}.layout_b()(0, 1, 0) == 64 &&
+                    SmemA{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
+                    SmemA{}.layout_b()(0, 0, 1) == Kernel::kStageElementsA,
+                "sm90 contiguous wgrad: A stage is not 64-wide strips of 128-byte rows");
+  static_assert(SmemB{}.layout_b()(1, 0, 0) == 1 && SmemB{}.layout_b()(0, 1, 0) == 64 &&
+                    SmemB{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
+                    SmemB{}.layout_b()(0, 0, 1) == Kernel::kStageElementsB,
+                "sm90 contiguous wgrad: B stage is not 64-wide strips of 128-byte rows");
+  static constexpr bool value = true;
+};
+
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, class Schedule, moefuse_b_layout BL>
 struct ContiguousWgradBf16 {
   static_assert((ClusterM == 1 || ClusterM == 2) && ClusterN == 1,
@@ -33,22 +53,39 @@ struct ContiguousWgradBf16 {
   using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop, ClusterM>;
   static_assert(Kernel::kSharedBytes <= 232448, "sm90 contiguous wgrad: more shared memory than an SM has");
 
-  // The boxes write where the collective's layouts put them: 64-wide MN strips of
-  // 64 x 128-byte rows (one row per reduction index), strips one after the other.
-  using SmemA = typename CollectiveMainloop::SmemLayoutA;
-  using SmemB = typename CollectiveMainloop::SmemLayoutB;
-  static_assert(cute::is_same_v<decltype(SmemA{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
-                    cute::is_same_v<decltype(SmemB{}.layout_a()), cute::Swizzle<3, 4, 3>>,
-                "sm90 contiguous wgrad: 128-byte swizzled stages");
-  static_assert(SmemA{}.layout_b()(1, 0, 0) == 1 && SmemA{}.layout_b()(0, 1, 0) == 64 &&
-                    SmemA{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
-                    SmemA{}.layout_b()(0, 0, 1) == Kernel::kStageElementsA,
-                "sm90 contiguous wgrad: A stage is not 64-wide strips of 128-byte rows");
-  static_assert(SmemB{}.layout_b()(1, 0, 0) == 1 && SmemB{}.layout_b()(0, 1, 0) == 64 &&
-                    SmemB{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
-                    SmemB{}.layout_b()(0, 0, 1) == Kernel::kStageElementsB,
-                "sm90 contiguous wgrad: B stage is not 64-wide strips of 128-byte rows");
+  static_assert(StageLayoutsMatch<CollectiveMainloop, Kernel>::value);
 };
+
+// The ping-pong twin (EXPERIMENT, UNTESTED ON GPU: chosen with MOEFUSE_WGRAD_PINGPONG=1 for
+// beta == 0 until it is checked and timed; docs/perf-notes.md, session 14): 128 x TileN
+// tiles, one consumer warp group each, mainloops in turn, so one group's epilogue runs
+// beside the other's MMAs (the cooperative kernel's epilogue leaves the tensor cores idle:
+// ~20 % of the Qwen3 wgrads).
+template <int TileN>
+struct ContiguousWgradPingpongBf16 {
+  static constexpr int kMajor = 9;
+  static constexpr int kMinor = 0;
+  using Element = cutlass::bfloat16_t;
+  using TileShape = cute::Shape<cute::_128, cute::Int<TileN>, cute::_64>;
+  using CarveOut = cute::Int<int(sizeof(kernel::ContiguousWgradEpilogue)) +
+                             int(sizeof(cutlass::OrderedSequenceBarrier<1, 2>::SharedStorage)) + 64>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
+      cutlass::layout::RowMajor, 8, float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
+      cutlass::gemm::collective::StageCountAutoCarveout<CarveOut::value>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop, 1, true>;
+  static_assert(Kernel::kSharedBytes <= 232448, "sm90 contiguous wgrad: more shared memory than an SM has");
+  static_assert(StageLayoutsMatch<CollectiveMainloop, Kernel>::value);
+};
+
+inline bool wgrad_pingpong_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOEFUSE_WGRAD_PINGPONG");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
 
 template <class Config>
 struct ContiguousWgradLauncher {
@@ -134,6 +171,11 @@ struct ContiguousWgradLauncher {
     (void)ws_bytes;
     moefuse_status st = check(p, name);
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0) return st;
+    if constexpr (!Kernel::kPingpong) {
+      if (p->beta == 0.f && tma_epilogue_enabled() && wgrad_pingpong_enabled()) {
+        return ContiguousWgradLauncher<ContiguousWgradPingpongBf16<128>>::run(p, ws, ws_bytes, stream, name);
+      }
+    }
     st = check_grouped_pointers(p, name);
     if (st != MOEFUSE_STATUS_OK) return st;
     int device = 0, sms = 0;
