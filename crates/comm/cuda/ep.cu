@@ -354,14 +354,12 @@ __device__ void notify(const moefuse_ep_params& p) {
 // tokens on one SM per 256-token chunk took as long as 8 warps of 32 (sessions 13-14), so
 // chunks are 64 tokens, on four times the SMs.
 __device__ __forceinline__ void count_chunk(const moefuse_ep_params& p, int* smem) {
-  constexpr int kCountWarps = kWarps;
-  constexpr int kTok = kChunk / kCountWarps;
-  static_assert(kTok * kCountWarps == kChunk && kTok <= 32, "count: at most 32 tokens per warp");
+  constexpr int kTok = kChunk / kWarps;  // at most 32 (asserted with kChunk above)
   const int C = row_width(p), k = p.top_k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int* hist = smem;                                   // (kCountWarps, C): counts, then bases
-  int* ids = smem + kCountWarps * C + warp * kTok * k;  // (kTok, k): this warp's routing
-  for (int i = threadIdx.x; i < kCountWarps * C; i += blockDim.x) hist[i] = 0;
+  int* hist = smem;                               // (kWarps, C): counts, then bases
+  int* ids = smem + kWarps * C + warp * kTok * k;  // (kTok, k): this warp's routing
+  for (int i = threadIdx.x; i < kWarps * C; i += blockDim.x) hist[i] = 0;
   const int t0 = blockIdx.x * kChunk + warp * kTok;
   const int n_tok = max(0, min(kTok, p.tokens - t0));
   // One coalesced load of the warp's ids: the serial walk below then reads shared memory
@@ -397,7 +395,7 @@ __device__ __forceinline__ void count_chunk(const moefuse_ep_params& p, int* sme
   __syncthreads();
 
   // Per-warp exclusive bases inside the chunk, and the chunk's totals.
-  moefuse::rows::warp_bases<kCountWarps>(hist, C, p.chunk_cnt + blockIdx.x * C);
+  moefuse::rows::warp_bases<kWarps>(hist, C, p.chunk_cnt + blockIdx.x * C);
   __syncthreads();
   // Chunk-relative positions -> warp bases added, every (token, slot) and (token,
   // destination) independently (a serial walk here waited on one load per token).

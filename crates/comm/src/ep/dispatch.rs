@@ -150,8 +150,14 @@ impl ExpertParallel {
         // alignment, device) and are kept alive by their guards until the launches are
         // queued (stream order does the rest).
         unsafe {
-            self.module
-                .launch(kn.count, &s, chunks, 256, count_smem, &p)?;
+            self.module.launch(
+                kn.count,
+                &s,
+                chunks,
+                32 * params::COUNT_WARPS as u32,
+                count_smem,
+                &p,
+            )?;
             self.module.launch(kn.dispatch, &s, self.grid, 256, 0, &p)?;
             // One PE: dispatch wrote every expert-major row itself; nothing to expand.
             if self.place.ranks() > 1 {
