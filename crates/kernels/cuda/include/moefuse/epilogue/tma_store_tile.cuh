@@ -27,8 +27,6 @@
 
 namespace moefuse::epilogue {
 
-CUTE_DEVICE uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
 // One warp group's two 64 x 64 bf16 slabs (128-byte rows, swizzled as the map's
 // CU_TENSOR_MAP_SWIZZLE_128B expects: 1024-byte aligned).
 struct TmaSlabs {
@@ -108,8 +106,8 @@ CUTE_DEVICE void store_tile_tma(Accum const& acc, TiledMma const& tiled_mma, int
 // index 2h + 4j (+1) (h: the + 8 half).
 template <class TileShape, class Accum>
 CUTE_DEVICE void store_tile_tma_stmatrix(Accum const& acc, int mma_thread_idx, int wg_row0, TmaSlabs& slabs,
-                                uint32_t barrier_id, CUtensorMap const* map, int matrix, int row0, int rows, int col0,
-                                int cols, float alpha, uint32_t& passes) {
+                                         uint32_t barrier_id, CUtensorMap const* map, int matrix, int row0, int rows,
+                                         int col0, int cols, float alpha, uint32_t& passes) {
   using namespace cute;
   constexpr int kN = size<1>(TileShape{});
   constexpr int kCols = TmaSlabs::kCols;
@@ -144,7 +142,7 @@ CUTE_DEVICE void store_tile_tma_stmatrix(Accum const& acc, int mma_thread_idx, i
           v[q] = *reinterpret_cast<uint32_t*>(&b);
         }
         const int q = lane / 8, r = warp_row + (q % 2) * 8 + lane % 8;
-        const uint32_t addr = smem_u32(slab + TmaSlabs::offset(r, 2 * jp + q / 2));
+        const uint32_t addr = cast_smem_ptr_to_uint(slab + TmaSlabs::offset(r, 2 * jp + q / 2));
         asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v[0]),
                      "r"(v[1]), "r"(v[2]), "r"(v[3])
                      : "memory");

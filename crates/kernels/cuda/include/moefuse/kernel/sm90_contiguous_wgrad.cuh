@@ -245,9 +245,9 @@ struct Sm90ContiguousWgrad {
       const int m0 = tile.m_block * kTileM, n0 = tile.n_block * kTileN;
       auto store = [&](auto const& acc) {
         epilogue::store_tile_tma_stmatrix<TileShape>(acc, mma_thread_idx, 0, shared.epilogue.tma.wg[wg],
-                                                     kEpilogueBarrier + wg,
-                                            &p.d_tile, tile.group, m0, min(kTileM, p.m - m0), n0,
-                                            min(kTileN, p.n - n0), p.alpha, store_passes);
+                                                     kEpilogueBarrier + wg, &p.d_tile, tile.group, m0,
+                                                     min(kTileM, p.m - m0), n0, min(kTileN, p.n - n0), p.alpha,
+                                                     store_passes);
       };
       auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA, 2, 1)
       order.wait();
