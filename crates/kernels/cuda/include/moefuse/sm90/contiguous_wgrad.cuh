@@ -56,35 +56,11 @@ struct ContiguousWgradBf16 {
   static_assert(StageLayoutsMatch<CollectiveMainloop, Kernel>::value);
 };
 
-// The ping-pong twin (EXPERIMENT, UNTESTED ON GPU: chosen with MOEFUSE_WGRAD_PINGPONG=1 for
-// beta == 0 until it is checked and timed; docs/perf-notes.md, session 14): 128 x TileN
-// tiles, one consumer warp group each, mainloops in turn, so one group's epilogue runs
-// beside the other's MMAs (the cooperative kernel's epilogue leaves the tensor cores idle:
-// ~20 % of the Qwen3 wgrads).
-template <int TileN>
-struct ContiguousWgradPingpongBf16 {
-  static constexpr int kMajor = 9;
-  static constexpr int kMinor = 0;
-  using Element = cutlass::bfloat16_t;
-  using TileShape = cute::Shape<cute::_128, cute::Int<TileN>, cute::_64>;
-  using CarveOut = cute::Int<int(sizeof(kernel::ContiguousWgradEpilogue)) +
-                             int(sizeof(cutlass::OrderedSequenceBarrier<1, 2>::SharedStorage)) + 64>;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
-      cutlass::layout::RowMajor, 8, float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
-      cutlass::gemm::collective::StageCountAutoCarveout<CarveOut::value>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop, 1, true>;
-  static_assert(Kernel::kSharedBytes <= 232448, "sm90 contiguous wgrad: more shared memory than an SM has");
-  static_assert(StageLayoutsMatch<CollectiveMainloop, Kernel>::value);
-};
-
-inline bool wgrad_pingpong_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOEFUSE_WGRAD_PINGPONG");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return on;
+// EXPERIMENT (session 15): MOEFUSE_WGRAD_SKEW (k-blocks warp group 1 starts behind warp
+// group 0, default 0) and MOEFUSE_WGRAD_STMATRIX=1 (the TMA epilogue's slab by stmatrix).
+inline int wgrad_env(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
 }
 
 template <class Config>
@@ -140,6 +116,7 @@ struct ContiguousWgradLauncher {
       st = encode_bf16_map<3>(&out.d_tile, p.d, {n, m, cuuint64_t(p.num_groups)}, {n * 2, m * n * 2}, {64, 64, 1},
                               "D tiles");
       out.tma_store = 1;
+      out.stmatrix = wgrad_env("MOEFUSE_WGRAD_STMATRIX", 0);
     }
     if (st != MOEFUSE_STATUS_OK) return st;
     using StrideA = typename Mainloop::StrideA;
@@ -162,6 +139,8 @@ struct ContiguousWgradLauncher {
     out.alpha = p.alpha;
     out.beta = p.beta;
     out.interleave = (p.tile_order >> 24) & 1;
+    out.skew = wgrad_env("MOEFUSE_WGRAD_SKEW", 0);
+    if (out.skew < 0 || out.skew > 3) out.skew = 0;  // below the 4 stages (group 0 runs ahead alone)
     return MOEFUSE_STATUS_OK;
   }
 
@@ -171,11 +150,6 @@ struct ContiguousWgradLauncher {
     (void)ws_bytes;
     moefuse_status st = check(p, name);
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0) return st;
-    if constexpr (!Kernel::kPingpong) {
-      if (p->beta == 0.f && tma_epilogue_enabled() && wgrad_pingpong_enabled()) {
-        return ContiguousWgradLauncher<ContiguousWgradPingpongBf16<128>>::run(p, ws, ws_bytes, stream, name);
-      }
-    }
     st = check_grouped_pointers(p, name);
     if (st != MOEFUSE_STATUS_OK) return st;
     int device = 0, sms = 0;
