@@ -11,8 +11,6 @@
 //                   128 threads with 16-byte cp.async (swizzled by
 //                   hand), rows past the group's end zero-filled
 //   4-11 (2 WGs)    MMA consumers (WGMMA 64x256 each) + store         232
-//                   (beta == 0: tile t's TMA store runs while tile
-//                   t + 1's first k-blocks are on the tensor cores)
 //
 // With kClusterM = 2 the CTAs of a pair take the same (group, n-block) at m-blocks 2u and
 // 2u + 1 and share B's four 64-wide strips of each whole chunk: CTA r loads strips 2r and
@@ -109,8 +107,6 @@ struct Sm90ContiguousWgrad {
     float beta;
     int interleave;  // 1: the walk alternates the front and the back of the tile list
     int tma_store;   // 1: tiles leave by TMA through d_tile (beta == 0; set by the launcher)
-    int skew;        // k-blocks warp group 1 starts behind warp group 0 (EXPERIMENT)
-    int stmatrix;    // tma_store: the slab written by stmatrix (EXPERIMENT)
   };
 
   struct Tile {
@@ -209,54 +205,6 @@ struct Sm90ContiguousWgrad {
     }
   }
 
-  // One tile's MMAs (consumer perspective, both warp groups; CUTLASS's mainloop re-ordered):
-  // the first min(ahead, k_tiles) k-blocks are issued, then `between` runs (the previous
-  // tile's store, on registers of its own) while the tensor cores work through them; then one
-  // k-block stays in flight, as in CUTLASS's mainloop, each stage released once its MMAs are
-  // done, every stage by return. `read` ends k_tiles stages on.
-  template <class Accum, class Between>
-  CUTE_DEVICE static void mma_around(MainloopPipeline& pipeline, PipelineState& read, Accum& acc, int k_tiles,
-                                     int ahead, int mma_thread_idx, SharedStorage& shared, Between&& between) {
-    using namespace cute;
-    Tensor sA = make_tensor(make_smem_ptr(shared.tensors.smem_A.data()), typename Mainloop::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared.tensors.smem_B.data()), typename Mainloop::SmemLayoutB{});
-    TiledMma tiled_mma;
-    const int warp_group = __shfl_sync(0xffffffff, mma_thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    auto thread_mma = tiled_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-    auto issue = [&] {
-      pipeline.consumer_wait(read);
-      const int stage = int(read.index());
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      ++read;
-    };
-    PipelineState release = read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;  // the tile's first k-block overwrites acc
-    int issued = 0, released = 0;
-#pragma unroll 1
-    for (const int early = min(ahead, k_tiles); issued < early; ++issued) issue();
-    warpgroup_fence_operand(acc);
-    between();
-#pragma unroll 1
-    for (; issued < k_tiles; ++issued) {
-      issue();
-      warpgroup_wait<1>();  // every k-block but the one just issued is done
-      warpgroup_fence_operand(acc);
-      for (; released < issued; ++released, ++release) pipeline.consumer_release(release);
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    for (; released < k_tiles; ++released, ++release) pipeline.consumer_release(release);
-  }
-
   CUTE_DEVICE void operator()(Params const& p, char* smem) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace cute;
@@ -275,7 +223,7 @@ struct Sm90ContiguousWgrad {
     pipe_params.role = role == Role::Producer ? MainloopPipeline::ThreadCategory::Producer
                                               : MainloopPipeline::ThreadCategory::Consumer;
     pipe_params.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
-    pipe_params.num_consumers = kMmaThreads;  // the threads that release a stage
+    pipe_params.num_consumers = kMmaThreads;
     pipe_params.num_producers = 1 + kProducerThreads;
     pipe_params.transaction_bytes = 0;  // thread 0 expects a TMA chunk's bytes itself
     MainloopPipeline pipeline(shared.pipeline, pipe_params, ClusterShape{});
@@ -301,7 +249,6 @@ struct Sm90ContiguousWgrad {
       __syncwarp();
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
-      {
       const int mma_thread_idx = thread_idx % kMmaThreads;
       TiledMma tiled_mma;
       Mainloop mainloop;
@@ -310,51 +257,28 @@ struct Sm90ContiguousWgrad {
                           64 * 64;
       PipelineState read;
       uint32_t store_passes = 0;  // the TMA epilogue's slab parity
-      // EXPERIMENT (session 15): warp group 1 starts p.skew k-blocks behind warp group 0 (it
-      // waits until group 0 has issued its first tile's first p.skew k-blocks), so that each
-      // group's store runs beside the other's last MMAs. Group 0 passes the barrier exactly
-      // once: at that point, at a tile it drains or finds empty, or at its end.
-      bool skew_pending = p.skew > 0;
-      const uint32_t skew_barrier = kEpilogueBarrier + 2;
-      if (skew_pending && wg_row0 != 0) {
-        cutlass::arch::NamedBarrier::arrive_and_wait(kMmaThreads, skew_barrier);
-        skew_pending = false;
-      }
-      auto release_skew = [&] {
-        if (skew_pending) cutlass::arch::NamedBarrier::arrive(kMmaThreads, skew_barrier);
-        skew_pending = false;
-      };
       for (int i = first; tile_at(p, i, m_units, n_blocks, rank, tile); i += stride) {
         const int k_tiles = (tile.rows.rows() + kTileK - 1) / kTileK;
         auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
         if (tile.m_block >= m_blocks) {
           // The pair's second CTA past the last m-block: no output; it releases every stage
           // its own and its peer's loads filled, in step.
-          release_skew();
           moefuse::drain_stages(pipeline, read, k_tiles);
           read.advance(k_tiles);
           continue;
         }
-        if (k_tiles > 0 && skew_pending) {
-          mma_around(pipeline, read, acc, k_tiles, p.skew, mma_thread_idx, shared, release_skew);
-        } else if (k_tiles > 0) {
+        if (k_tiles > 0) {
           mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
           mainloop.mma_tail(pipeline, read, k_tiles);
           read.advance(k_tiles);
         } else if (p.beta != 0.f) {
-          release_skew();
           continue;  // an empty group with beta != 0: D_e left untouched (abi.h)
         } else {
-          release_skew();
           clear(acc);  // an empty group: D_e = 0
         }
         const int m0 = tile.m_block * kTileM, n0 = tile.n_block * kTileN;
         const uint32_t barrier = kEpilogueBarrier + wg_row0 / 64;
-        if (p.tma_store && p.stmatrix) {
-          epilogue::store_tile_tma_stmatrix<TileShape>(acc, mma_thread_idx, wg_row0, shared.epilogue.tma.wg[wg_row0 / 64],
-                                                       barrier, &p.d_tile, tile.group, m0, min(kTileM, p.m - m0), n0,
-                                                       min(kTileN, p.n - n0), p.alpha, store_passes);
-        } else if (p.tma_store) {
+        if (p.tma_store) {
           epilogue::store_tile_tma<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue.tma.wg[wg_row0 / 64], barrier,
                                               &p.d_tile, tile.group, m0, min(kTileM, p.m - m0), n0,
                                               min(kTileN, p.n - n0), p.alpha, store_passes);
@@ -365,9 +289,7 @@ struct Sm90ContiguousWgrad {
                                                  min(kTileN, p.n - n0), p.alpha, p.beta);
         }
       }
-      release_skew();
       epilogue::store_tile_tma_tail(mma_thread_idx);
-      }
     }
 #else
     __trap();

@@ -14,26 +14,6 @@
 
 namespace moefuse::sm90 {
 
-// The boxes write where the collective's layouts put them: 64-wide MN strips of 64 x
-// 128-byte rows (one row per reduction index), strips one after the other, 128-byte swizzle.
-template <class Mainloop, class Kernel>
-struct StageLayoutsMatch {
-  using SmemA = typename Mainloop::SmemLayoutA;
-  using SmemB = typename Mainloop::SmemLayoutB;
-  static_assert(cute::is_same_v<decltype(SmemA{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
-                    cute::is_same_v<decltype(SmemB{}.layout_a()), cute::Swizzle<3, 4, 3>>,
-                "sm90 contiguous wgrad: 128-byte swizzled stages");
-  static_assert(SmemA{}.layout_b()(1, 0, 0) == 1 && SmemA{}.layout_b()(0, 1, 0) == 64 &&
-                    SmemA{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
-                    SmemA{}.layout_b()(0, 0, 1) == Kernel::kStageElementsA,
-                "sm90 contiguous wgrad: A stage is not 64-wide strips of 128-byte rows");
-  static_assert(SmemB{}.layout_b()(1, 0, 0) == 1 && SmemB{}.layout_b()(0, 1, 0) == 64 &&
-                    SmemB{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
-                    SmemB{}.layout_b()(0, 0, 1) == Kernel::kStageElementsB,
-                "sm90 contiguous wgrad: B stage is not 64-wide strips of 128-byte rows");
-  static constexpr bool value = true;
-};
-
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, class Schedule, moefuse_b_layout BL>
 struct ContiguousWgradBf16 {
   static_assert((ClusterM == 1 || ClusterM == 2) && ClusterN == 1,
@@ -53,15 +33,22 @@ struct ContiguousWgradBf16 {
   using Kernel = kernel::Sm90ContiguousWgrad<CollectiveMainloop, ClusterM>;
   static_assert(Kernel::kSharedBytes <= 232448, "sm90 contiguous wgrad: more shared memory than an SM has");
 
-  static_assert(StageLayoutsMatch<CollectiveMainloop, Kernel>::value);
+  // The boxes write where the collective's layouts put them: 64-wide MN strips of
+  // 64 x 128-byte rows (one row per reduction index), strips one after the other.
+  using SmemA = typename CollectiveMainloop::SmemLayoutA;
+  using SmemB = typename CollectiveMainloop::SmemLayoutB;
+  static_assert(cute::is_same_v<decltype(SmemA{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
+                    cute::is_same_v<decltype(SmemB{}.layout_a()), cute::Swizzle<3, 4, 3>>,
+                "sm90 contiguous wgrad: 128-byte swizzled stages");
+  static_assert(SmemA{}.layout_b()(1, 0, 0) == 1 && SmemA{}.layout_b()(0, 1, 0) == 64 &&
+                    SmemA{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
+                    SmemA{}.layout_b()(0, 0, 1) == Kernel::kStageElementsA,
+                "sm90 contiguous wgrad: A stage is not 64-wide strips of 128-byte rows");
+  static_assert(SmemB{}.layout_b()(1, 0, 0) == 1 && SmemB{}.layout_b()(0, 1, 0) == 64 &&
+                    SmemB{}.layout_b()(64, 0, 0) == Kernel::kStrip &&
+                    SmemB{}.layout_b()(0, 0, 1) == Kernel::kStageElementsB,
+                "sm90 contiguous wgrad: B stage is not 64-wide strips of 128-byte rows");
 };
-
-// EXPERIMENT (session 15): MOEFUSE_WGRAD_SKEW (k-blocks warp group 1 starts behind warp
-// group 0, default 0) and MOEFUSE_WGRAD_STMATRIX=1 (the TMA epilogue's slab by stmatrix).
-inline int wgrad_env(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : fallback;
-}
 
 template <class Config>
 struct ContiguousWgradLauncher {
@@ -116,7 +103,6 @@ struct ContiguousWgradLauncher {
       st = encode_bf16_map<3>(&out.d_tile, p.d, {n, m, cuuint64_t(p.num_groups)}, {n * 2, m * n * 2}, {64, 64, 1},
                               "D tiles");
       out.tma_store = 1;
-      out.stmatrix = wgrad_env("MOEFUSE_WGRAD_STMATRIX", 0);
     }
     if (st != MOEFUSE_STATUS_OK) return st;
     using StrideA = typename Mainloop::StrideA;
@@ -139,8 +125,6 @@ struct ContiguousWgradLauncher {
     out.alpha = p.alpha;
     out.beta = p.beta;
     out.interleave = (p.tile_order >> 24) & 1;
-    out.skew = wgrad_env("MOEFUSE_WGRAD_SKEW", 0);
-    if (out.skew < 0 || out.skew > 3) out.skew = 0;  // below the 4 stages (group 0 runs ahead alone)
     return MOEFUSE_STATUS_OK;
   }
 
