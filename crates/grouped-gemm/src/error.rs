@@ -16,6 +16,8 @@ pub enum Operand {
     Workspace,
     /// The grouped problems' prefix-sum offsets.
     Offsets,
+    /// The row index of a gathered operand ([`crate::GroupedGemm::run_gathered`]).
+    RowIndex,
 }
 
 /// Everything a GEMM call can fail with; all host-knowable cases fail before any launch.

@@ -279,14 +279,14 @@ pub struct GroupedGemm {
     ctx: Arc<CudaContext>,
     spec: Box<dyn ArchSpec + Send + Sync>,
     device: Device,
-    kernels: Kernels,
+    pub(crate) kernels: Kernels,
 }
 
 /// A validated grouped problem with its chosen variant and workspace size.
 #[derive(Debug, Clone)]
 pub struct GroupedPlan {
-    desc: GroupedDesc,
-    variant: &'static CompiledVariant,
+    pub(crate) desc: GroupedDesc,
+    pub(crate) variant: &'static CompiledVariant,
     workspace_bytes: usize,
     ordinal: usize,
 }
@@ -397,20 +397,67 @@ impl GroupedGemm {
         D: DevicePtrMut<bf16>,
     {
         let desc = &plan.desc;
+        self.check_run(plan, stream, offsets.len(), workspace.len())?;
+        self.check_operands(desc, [a.len(), b.len(), d.len()], None)?;
+        let op = moefuse_kernels::GroupedGemm {
+            variant: plan.variant,
+            shape: desc.shape(),
+            offsets,
+            a,
+            a_rows: None,
+            b,
+            b_rows: None,
+            d,
+            workspace,
+        };
+        self.kernels.launch(stream, op)?;
+        Ok(())
+    }
+
+    /// The checks every run makes first: one device, offsets and workspace large enough.
+    pub(crate) fn check_run(
+        &self,
+        plan: &GroupedPlan,
+        stream: &Arc<CudaStream>,
+        offsets: usize,
+        workspace: usize,
+    ) -> Result<(), GemmError> {
+        let desc = &plan.desc;
         if plan.ordinal != self.ctx.ordinal() || stream.context().ordinal() != self.ctx.ordinal() {
             return Err(GemmError::PlanMismatch(
                 "plan, stream and GroupedGemm must belong to one device",
             ));
         }
-        if offsets.len() < desc.groups {
+        if offsets < desc.groups {
             return Err(GemmError::BufferTooSmall {
                 operand: Operand::Offsets,
                 needed: desc.groups,
-                got: offsets.len(),
+                got: offsets,
             });
         }
-        for ((operand, needed), got) in desc.extents().into_iter().zip([a.len(), b.len(), d.len()])
-        {
+        if workspace < plan.workspace_bytes {
+            return Err(GemmError::BufferTooSmall {
+                operand: Operand::Workspace,
+                needed: plan.workspace_bytes,
+                got: workspace,
+            });
+        }
+        Ok(())
+    }
+
+    /// A, B and D against the problem's extents, with A's or B's replaced by `replace`
+    /// (index 0 or 1, elements) where the operand is gathered.
+    pub(crate) fn check_operands(
+        &self,
+        desc: &GroupedDesc,
+        got: [usize; 3],
+        replace: Option<(usize, usize)>,
+    ) -> Result<(), GemmError> {
+        let mut needed = desc.extents();
+        if let Some((i, elems)) = replace {
+            needed[i].1 = elems;
+        }
+        for ((operand, needed), got) in needed.into_iter().zip(got) {
             if got < needed {
                 return Err(GemmError::BufferTooSmall {
                     operand,
@@ -419,23 +466,6 @@ impl GroupedGemm {
                 });
             }
         }
-        if workspace.len() < plan.workspace_bytes {
-            return Err(GemmError::BufferTooSmall {
-                operand: Operand::Workspace,
-                needed: plan.workspace_bytes,
-                got: workspace.len(),
-            });
-        }
-        let op = moefuse_kernels::GroupedGemm {
-            variant: plan.variant,
-            shape: desc.shape(),
-            offsets,
-            a,
-            b,
-            d,
-            workspace,
-        };
-        self.kernels.launch(stream, op)?;
         Ok(())
     }
 }

@@ -46,12 +46,14 @@
 pub use cudarc;
 
 mod error;
+mod gathered;
 mod gemm;
 mod grouped;
 mod heuristics;
 pub mod reference;
 
 pub use error::{GemmError, Operand};
+pub use gathered::{Gather, GatheredOperand};
 pub use gemm::{BLayout, Gemm, GemmDesc, GemmPlan};
 pub use grouped::{
     check_offsets, validate_offsets, GroupedDesc, GroupedGemm, GroupedOp, GroupedPlan,

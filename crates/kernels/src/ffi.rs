@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 
 /// `MOEFUSE_ABI_VERSION` this crate was written against.
-pub const MOEFUSE_ABI_VERSION: u32 = 5;
+pub const MOEFUSE_ABI_VERSION: u32 = 6;
 
 /// `moefuse_status`: kept as a plain integer so an unknown value cannot be undefined behaviour.
 pub type MoefuseStatus = i32;
@@ -95,6 +95,20 @@ pub struct MoefuseGroupedGemmArgs {
     pub alpha: f32,
     /// Scale of D's previous content.
     pub beta: f32,
+    /// K-grouped contiguous variants only: B's row `r` is row `b_rows[r] / b_rows_div` of a
+    /// `[b_source_rows, n]` B (bad indices read zeros); null: B is `[total_rows, n]`.
+    pub b_rows: *const i32,
+    /// Divisor of `b_rows` entries (>= 1 when `b_rows` is set).
+    pub b_rows_div: i32,
+    /// Rows of a gathered B (>= 1 when `b_rows` is set).
+    pub b_source_rows: i32,
+    /// Contiguous variants that gather A only: A's row `r` is row `a_rows[r] / a_rows_div`
+    /// of a `[a_source_rows, k]` A (bad indices read zeros); null: A is `[total_rows, k]`.
+    pub a_rows: *const i32,
+    /// Divisor of `a_rows` entries (>= 1 when `a_rows` is set).
+    pub a_rows_div: i32,
+    /// Rows of a gathered A (>= 1 when `a_rows` is set).
+    pub a_source_rows: i32,
 }
 
 /// A grouped variant's launcher.
@@ -620,7 +634,11 @@ mod tests {
 
     #[test]
     fn grouped_args_layout_matches_abi_h() {
-        assert_eq!(size_of::<MoefuseGroupedGemmArgs>(), 64);
+        assert_eq!(size_of::<MoefuseGroupedGemmArgs>(), 96);
+        assert_eq!(offset_of!(MoefuseGroupedGemmArgs, a_rows), 80);
+        assert_eq!(offset_of!(MoefuseGroupedGemmArgs, a_source_rows), 92);
+        assert_eq!(offset_of!(MoefuseGroupedGemmArgs, b_rows), 64);
+        assert_eq!(offset_of!(MoefuseGroupedGemmArgs, b_source_rows), 76);
         assert_eq!(offset_of!(MoefuseGroupedGemmArgs, offsets), 24);
         assert_eq!(offset_of!(MoefuseGroupedGemmArgs, d), 48);
         assert_eq!(offset_of!(MoefuseGroupedGemmArgs, alpha), 56);

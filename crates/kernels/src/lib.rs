@@ -60,7 +60,7 @@ pub use moefuse_spec::{
     GroupedKind, Op, Schedule, VariantArch, VariantSpec, CONTIGUOUS_MAX_GROUPS, VARIANTS,
     ZERO_EMPTY_GROUPS_MAX,
 };
-pub use ops::{Gemm, GemmShape, GroupedGemm, GroupedShape, RawGrouped};
+pub use ops::{GatheredRows, Gemm, GemmShape, GroupedGemm, GroupedShape, RawGrouped};
 
 // The generated registry (`registry.rs`, included below) names these unqualified in its
 // `extern` block; a build without GEMM kernels (no arch, or feature `gemm` off) has none.

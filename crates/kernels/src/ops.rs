@@ -146,7 +146,7 @@ impl GroupedShape {
 /// let mut d = stream.alloc_zeros::<bf16>(256 * 128)?;
 /// let mut ws = stream.alloc_zeros::<u8>(kernels.grouped_workspace(variant, &shape)?)?;
 /// kernels.launch(&stream, GroupedGemm { variant, shape, offsets: &offsets, a: &a, b: &b,
-///     d: &mut d, workspace: &mut ws })?;
+///     a_rows: None, b_rows: None, d: &mut d, workspace: &mut ws })?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct GroupedGemm<'a> {
@@ -156,14 +156,55 @@ pub struct GroupedGemm<'a> {
     pub shape: GroupedShape,
     /// `[groups]` int32 prefix-sum row ends.
     pub offsets: &'a dyn DevicePtr<i32>,
-    /// See the struct docs.
+    /// See the struct docs; with `a_rows`, `[a_rows.source_rows, k]`.
     pub a: &'a dyn DevicePtr<bf16>,
-    /// See the struct docs.
+    /// Contiguous (`_contig`) variants only: read A's rows through an index instead of a
+    /// permuted copy (the other variants refuse it before the launch).
+    pub a_rows: Option<GatheredRows<'a>>,
+    /// See the struct docs; with `b_rows`, `[b_rows.source_rows, n]`.
     pub b: &'a dyn DevicePtr<bf16>,
+    /// K-grouped contiguous (`_contig` wgrad) variants only: read B's rows through an index
+    /// instead of a permuted copy (the other variants refuse it before the launch).
+    pub b_rows: Option<GatheredRows<'a>>,
     /// See the struct docs.
     pub d: &'a mut dyn DevicePtrMut<bf16>,
     /// At least [`Kernels::grouped_workspace`] bytes, 256-byte aligned.
     pub workspace: &'a mut dyn DevicePtrMut<u8>,
+}
+
+/// An operand's rows read through an index: row `r` of the grouped problem reads row
+/// `index[r] / div` of a `[source_rows, width]` buffer; an entry that is negative or names a
+/// row at or past `source_rows` reads zeros (the device never trusts the index). The MoE
+/// layer's backward reads the token rows of `x` and `dy` this way (`index` = `source_of`,
+/// `div` = top-k), so their permuted copies are never written.
+///
+/// ```no_run
+/// # use moefuse_kernels::GatheredRows;
+/// # let ctx = cudarc::driver::CudaContext::new(0)?;
+/// # let stream = ctx.default_stream();
+/// let source_of = stream.clone_htod(&[3i32, 0, 1, 2])?; // 2 tokens, top-2: slot -> row
+/// let rows = GatheredRows { index: &source_of, div: 2, source_rows: 2 };
+/// assert_eq!(rows.div, 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy)]
+pub struct GatheredRows<'a> {
+    /// `[rows]` int32 entries (the shape's `rows`).
+    pub index: &'a dyn DevicePtr<i32>,
+    /// Divisor applied to each entry (>= 1).
+    pub div: usize,
+    /// Rows of B (>= 1).
+    pub source_rows: usize,
+}
+
+impl std::fmt::Debug for GatheredRows<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatheredRows")
+            .field("index_len", &self.index.len())
+            .field("div", &self.div)
+            .field("source_rows", &self.source_rows)
+            .finish()
+    }
 }
 
 /// Device addresses and a stream from outside cudarc, for [`Kernels::launch_grouped_raw`].
@@ -392,6 +433,14 @@ fn dense_args(
     })
 }
 
+/// The gathered-rows fields of one operand: index address (0: none), div, source rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct GatherArgs {
+    pub(crate) index: u64,
+    pub(crate) div: usize,
+    pub(crate) source_rows: usize,
+}
+
 pub(crate) fn grouped_args(
     op: Op,
     s: &GroupedShape,
@@ -399,6 +448,31 @@ pub(crate) fn grouped_args(
     offsets: u64,
     [a, b, d]: [u64; 3],
 ) -> Result<ffi::MoefuseGroupedGemmArgs, KernelError> {
+    grouped_args_gathered(
+        op,
+        s,
+        kernel,
+        offsets,
+        [a, b, d],
+        [GatherArgs::default(); 2],
+    )
+}
+
+pub(crate) fn grouped_args_gathered(
+    op: Op,
+    s: &GroupedShape,
+    kernel: &str,
+    offsets: u64,
+    [a, b, d]: [u64; 3],
+    [gather_a, gather_b]: [GatherArgs; 2],
+) -> Result<ffi::MoefuseGroupedGemmArgs, KernelError> {
+    let div = |g: GatherArgs, what| {
+        if g.index == 0 {
+            Ok(1)
+        } else {
+            to_i32(kernel, what, g.div)
+        }
+    };
     Ok(ffi::MoefuseGroupedGemmArgs {
         num_groups: to_i32(kernel, "groups", s.groups)?,
         total_rows: to_i32(kernel, "rows", s.rows)?,
@@ -412,7 +486,54 @@ pub(crate) fn grouped_args(
         d: d as *mut _,
         alpha: s.alpha,
         beta: s.beta,
+        b_rows: gather_b.index as *const i32,
+        b_rows_div: div(gather_b, "b_rows div")?,
+        b_source_rows: to_i32(kernel, "b_rows source rows", gather_b.source_rows)?,
+        a_rows: gather_a.index as *const i32,
+        a_rows_div: div(gather_a, "a_rows div")?,
+        a_source_rows: to_i32(kernel, "a_rows source rows", gather_a.source_rows)?,
     })
+}
+
+/// The host rules of gathered rows: a contiguous (`_contig`) variant, and for B a K-grouped
+/// one; `div >= 1`, `source_rows >= 1`, and the gathered operand under 2^32 16-byte chunks
+/// (the producers address it in 32 bits). `width`: the operand's row length in elements.
+fn check_gathered(
+    kernel: &str,
+    spec: &VariantSpec,
+    rows: &GatheredRows<'_>,
+    operand_b: bool,
+    width: usize,
+) -> Result<(), KernelError> {
+    let inconsistent = |why| KernelError::Inconsistent {
+        kernel: kernel.to_string(),
+        why,
+    };
+    if spec.schedule != Schedule::Contiguous {
+        return Err(inconsistent(
+            "gathered rows (a_rows, b_rows) need a contiguous (`_contig`) variant",
+        ));
+    }
+    if operand_b && spec.op != Op::GroupedWgrad {
+        return Err(inconsistent(
+            "b_rows (gathered B) needs a K-grouped (wgrad) variant: an M-grouped B is the weights",
+        ));
+    }
+    check_range(kernel, "rows div", rows.div as i128, 1, i32::MAX as i128)?;
+    check_range(
+        kernel,
+        "source rows",
+        rows.source_rows as i128,
+        1,
+        i32::MAX as i128,
+    )?;
+    check_range(
+        kernel,
+        "gathered operand's 16-byte chunks (source rows * width / 8)",
+        rows.source_rows as i128 * (width / 8) as i128,
+        0,
+        (1i128 << 32) - 1,
+    )
 }
 
 impl Kernels {
@@ -523,7 +644,28 @@ impl<'a> GroupedGemm<'a> {
         let (run, _) = grouped_entry(b.kernels, self.variant, kernel)?;
         let s = self.shape;
         let need = b.kernels.grouped_workspace(self.variant, &s)?;
-        let [ea, eb, ed] = grouped_extents(kernel, self.variant.spec.op, &s)?;
+        let [mut ea, mut eb, ed] = grouped_extents(kernel, self.variant.spec.op, &s)?;
+        let mut gather = [GatherArgs::default(); 2];
+        for (i, rows) in [self.a_rows, self.b_rows].into_iter().enumerate() {
+            let Some(rows) = rows else { continue };
+            let (width, name) = if i == 1 {
+                (s.n, "b_rows")
+            } else {
+                (s.k, "a_rows")
+            };
+            check_gathered(kernel, self.variant.spec, &rows, i == 1, width)?;
+            let extent = extent(
+                kernel,
+                "gathered operand extent",
+                &[rows.source_rows, width],
+            )?;
+            *(if i == 1 { &mut eb } else { &mut ea }) = extent;
+            gather[i] = GatherArgs {
+                index: b.read(name, rows.index, s.rows, 4)?,
+                div: rows.div,
+                source_rows: rows.source_rows,
+            };
+        }
         let offsets = b.read("offsets", self.offsets, s.groups, 4)?;
         let a = b.read("a", self.a, ea, OPERAND_ALIGN)?;
         let bb = b.read("b", self.b, eb, OPERAND_ALIGN)?;
@@ -533,7 +675,8 @@ impl<'a> GroupedGemm<'a> {
         if s.groups == 0 {
             return Ok(None);
         }
-        let args = grouped_args(self.variant.spec.op, &s, kernel, offsets, [a, bb, d])?;
+        let op = self.variant.spec.op;
+        let args = grouped_args_gathered(op, &s, kernel, offsets, [a, bb, d], gather)?;
         Ok(Some(Call::Grouped {
             run,
             args,

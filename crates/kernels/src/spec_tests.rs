@@ -61,6 +61,12 @@ fn ffi_mirror_carries_every_tile_order_and_grouped_kind() {
         d: std::ptr::null_mut(),
         alpha: 1.0,
         beta: 0.0,
+        b_rows: std::ptr::null(),
+        b_rows_div: 1,
+        b_source_rows: 0,
+        a_rows: std::ptr::null(),
+        a_rows_div: 1,
+        a_source_rows: 0,
     };
     // Every field sits below the sign bit of the ABI's int32 word.
     let last = tile_order::INTERLEAVE;

@@ -26,9 +26,13 @@ static_assert(sizeof(moefuse_gemm_args) == 88, "moefuse_gemm_args layout changed
 static_assert(offsetof(moefuse_gemm_args, a) == 16, "moefuse_gemm_args layout changed");
 static_assert(offsetof(moefuse_gemm_args, lda) == 48, "moefuse_gemm_args layout changed");
 static_assert(offsetof(moefuse_gemm_args, alpha) == 80, "moefuse_gemm_args layout changed");
-static_assert(sizeof(moefuse_grouped_gemm_args) == 64, "moefuse_grouped_gemm_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
+static_assert(sizeof(moefuse_grouped_gemm_args) == 96, "moefuse_grouped_gemm_args layout changed: bump MOEFUSE_ABI_VERSION and ffi.rs");
 static_assert(offsetof(moefuse_grouped_gemm_args, offsets) == 24, "moefuse_grouped_gemm_args layout changed");
 static_assert(offsetof(moefuse_grouped_gemm_args, alpha) == 56, "moefuse_grouped_gemm_args layout changed");
+static_assert(offsetof(moefuse_grouped_gemm_args, b_rows) == 64, "moefuse_grouped_gemm_args layout changed");
+static_assert(offsetof(moefuse_grouped_gemm_args, b_source_rows) == 76, "moefuse_grouped_gemm_args layout changed");
+static_assert(offsetof(moefuse_grouped_gemm_args, a_rows) == 80, "moefuse_grouped_gemm_args layout changed");
+static_assert(offsetof(moefuse_grouped_gemm_args, a_source_rows) == 92, "moefuse_grouped_gemm_args layout changed");
 
 // spec.h (generated from crates/spec) against what abi.h and the kernel headers state. The
 // kernel headers are included by every CUTLASS instance, so they keep their literals until a

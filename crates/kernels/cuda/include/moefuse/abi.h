@@ -17,7 +17,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct layout or launcher signature changes. */
-#define MOEFUSE_ABI_VERSION 5
+#define MOEFUSE_ABI_VERSION 6
 
 typedef enum moefuse_status {
   MOEFUSE_STATUS_OK = 0,
@@ -84,6 +84,14 @@ typedef struct moefuse_gemm_args {
  *   A [total_rows, k], B [total_rows, n] row-major; D_e = d + e*k*n, [k, n] row-major.
  *   An empty group gets D_e = 0 when beta == 0 and is left untouched otherwise.
  * bf16 operands, fp32 accumulation. C is D itself (beta reads D's previous content).
+ *
+ * Gathered rows (contiguous `_contig` variants that say so; every other variant refuses a
+ * non-null b_rows or a_rows): row r of an operand is read from row rows[r] / rows_div of a
+ * buffer of source_rows rows, e.g. the token rows of x named by the routed slots'
+ * source_of (div = top_k), so the layer never materialises the permuted copy. An index that
+ * is negative or names a row >= source_rows reads zeros. b_rows: K-grouped B
+ * ([b_source_rows, n]). a_rows: A ([a_source_rows, k]). NULL: the operand is [total_rows, .]
+ * as above (its div and source_rows ignored).
  */
 typedef struct moefuse_grouped_gemm_args {
   int32_t num_groups;
@@ -103,6 +111,12 @@ typedef struct moefuse_grouped_gemm_args {
   void* d;
   float alpha;
   float beta;
+  const int32_t* b_rows; /* [total_rows] int32 or NULL: see "Gathered rows" above */
+  int32_t b_rows_div;    /* >= 1 when b_rows is set */
+  int32_t b_source_rows; /* >= 1 when b_rows is set: rows of B */
+  const int32_t* a_rows; /* [total_rows] int32 or NULL: see "Gathered rows" above */
+  int32_t a_rows_div;    /* >= 1 when a_rows is set */
+  int32_t a_source_rows; /* >= 1 when a_rows is set: rows of A */
 } moefuse_grouped_gemm_args;
 
 /* ---- MoE layer pieces that are not GEMMs (kernels/moe/): router and activation. ----

@@ -185,6 +185,14 @@ struct BackwardPlans {
     /// [beta = 0, beta = 1] (accumulate).
     down_wgrad: [GroupedPlan; 2],
     gate_up_wgrad: [GroupedPlan; 2],
+    /// The gate_up wgrad reads `x`'s token rows through `source_of` (a contiguous wgrad
+    /// gathers B in its producer) instead of a regathered `x_perm`. Off unless
+    /// `MOEFUSE_GATHER_X=on`: measured slower than the regather (docs/perf-notes.md,
+    /// session 16: the gathered B gives up the pair's multicast).
+    gather_x: bool,
+    /// The down dgrad and wgrad read `dy`'s token rows through `source_of` (contiguous
+    /// variants gather A in their producers) instead of a gathered `dy_perm`.
+    gather_dy: bool,
 }
 
 impl GemmPlans {
@@ -208,12 +216,24 @@ impl GemmPlans {
         };
         let backward = match mode {
             Mode::Inference => None,
-            Mode::Training => Some(BackwardPlans {
-                down_dgrad: plan(GroupedDesc::dgrad(e, rows, d, i, BLayout::Nk))?,
-                gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,
-                down_wgrad: wgrad(d, i)?,
-                gate_up_wgrad: wgrad(w, d)?,
-            }),
+            Mode::Training => {
+                let (gate_up_wgrad, down_wgrad) = (wgrad(w, d)?, wgrad(d, i)?);
+                let down_dgrad = plan(GroupedDesc::dgrad(e, rows, d, i, BLayout::Nk))?;
+                // dy is gathered wherever the chosen variants can (the env knobs measure the
+                // copies beside the gathers: `bench_moe --profile`).
+                let env = |name: &str| std::env::var(name).ok();
+                let on = env("MOEFUSE_BACKWARD_GATHER").is_none_or(|v| v != "off");
+                let x_on = on && env("MOEFUSE_GATHER_X").is_some_and(|v| v == "on");
+                let gather_dy = on && contiguous(&[&down_dgrad, &down_wgrad[0], &down_wgrad[1]]);
+                Some(BackwardPlans {
+                    gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,
+                    gather_x: x_on && contiguous(&[&gate_up_wgrad[0], &gate_up_wgrad[1]]),
+                    gather_dy,
+                    down_dgrad,
+                    down_wgrad,
+                    gate_up_wgrad,
+                })
+            }
         };
         let plans = GemmPlans {
             gate_up: plan(GroupedDesc::forward(e, rows, w, d, BLayout::Nk))?,
@@ -234,6 +254,13 @@ impl GemmPlans {
         }
         all
     }
+}
+
+/// Whether every plan runs a contiguous variant (those read an operand through an index).
+fn contiguous(plans: &[&GroupedPlan]) -> bool {
+    plans
+        .iter()
+        .all(|p| p.compiled_variant().spec.schedule == moefuse_kernels::Schedule::Contiguous)
 }
 
 /// Routing and permutation, `O(T·k)`: the forward's own, read by the backward too.

@@ -9,6 +9,7 @@ use crate::gpu::{check_buffer, check_len, DecodeSaved, Gradients};
 use crate::{model::check_routing, MoeError, RouterKind};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
+use moefuse_grouped_gemm::GatheredOperand::{A, B};
 
 impl MoeLayer {
     /// `y [T, D] = MoE(x [T, D])` (bf16) with the caller's `weights`, routed per
@@ -241,51 +242,51 @@ impl MoeLayer {
         p.begin(s)?;
         workspace.with_slots(layout, |mut sc| -> Result<(), MoeError> {
             let row_of = &perm.row_of;
-            let mut x_perm = sc.get_mut(X_AGAIN);
-            let regather = cx.gather_rows(t, k, row_of, &sv.x, &mut x_perm, &mut perm.errors, true);
-            p.stage(s, "x regather", regather)?;
-            let mut dy_perm = sc.get_mut(DY_PERM);
-            let gather = cx.gather_rows(t, k, row_of, dy, &mut dy_perm, &mut perm.errors, true);
-            p.stage(s, "dy gather", gather)?;
+            if !g.gather_x {
+                let mut x_perm = sc.get_mut(X_AGAIN);
+                let regather =
+                    cx.gather_rows(t, k, row_of, &sv.x, &mut x_perm, &mut perm.errors, true);
+                p.stage(s, "x regather", regather)?;
+            }
+            if !g.gather_dy {
+                let mut dy_perm = sc.get_mut(DY_PERM);
+                let gather = cx.gather_rows(t, k, row_of, dy, &mut dy_perm, &mut perm.errors, true);
+                p.stage(s, "dy gather", gather)?;
+            }
             let (dy_perm, mut dh) = sc.io(DY_PERM, DH);
-            let dgrad = cx.gemm(
-                &g.down_dgrad,
-                &perm.offsets,
-                &dy_perm,
-                &w.down,
-                &mut dh,
-                gws,
-            );
+            let (off, src, plan) = (&perm.offsets, &perm.source_of, &g.down_dgrad);
+            let dgrad = if g.gather_dy {
+                cx.gemm_gathered(plan, off, dy, &w.down, A, src, t, &mut dh, gws)
+            } else {
+                cx.gemm(plan, off, &dy_perm, &w.down, &mut dh, gws)
+            };
             p.stage(s, "down dgrad", dgrad)?;
             let (dh, [mut d_h_pre, mut h_scaled]) = sc.read_write2(DH, [D_H_PRE, H_SCALED]);
             let dtw = &mut grads.d_topk_weights;
             let (hp, hs) = (&sv.h_pre, &mut h_scaled);
             let act = cx.activation_backward_routed(perm, t, hp, wts, &dh, &mut d_h_pre, hs, dtw);
             p.stage(s, "activation bwd (routed)", act)?;
-            let off = &perm.offsets;
+            let (off, src) = (&perm.offsets, &perm.source_of);
             let (dy_perm, h_scaled) = (sc.get(DY_PERM), sc.get(H_SCALED));
             let (d_down, d_gate_up) = (&mut grads.d_down, &mut grads.d_gate_up);
-            let wgrad = cx.gemm(&g.down_wgrad[acc], off, &dy_perm, &h_scaled, d_down, gws);
+            let plan = &g.down_wgrad[acc];
+            let wgrad = if g.gather_dy {
+                cx.gemm_gathered(plan, off, dy, &h_scaled, A, src, t, d_down, gws)
+            } else {
+                cx.gemm(plan, off, &dy_perm, &h_scaled, d_down, gws)
+            };
             p.stage(s, "down wgrad", wgrad)?;
             let (d_h_pre, mut dx_perm) = sc.io(D_H_PRE, DX_PERM);
-            let dgrad = cx.gemm(
-                &g.gate_up_dgrad,
-                off,
-                &d_h_pre,
-                &w.gate_up,
-                &mut dx_perm,
-                gws,
-            );
+            let (plan, wg) = (&g.gate_up_dgrad, &w.gate_up);
+            let dgrad = cx.gemm(plan, off, &d_h_pre, wg, &mut dx_perm, gws);
             p.stage(s, "gate_up dgrad", dgrad)?;
             let (d_h_pre, x_perm) = (sc.get(D_H_PRE), sc.get(X_AGAIN));
-            let wgrad = cx.gemm(
-                &g.gate_up_wgrad[acc],
-                off,
-                &d_h_pre,
-                &x_perm,
-                d_gate_up,
-                gws,
-            );
+            let (plan, x) = (&g.gate_up_wgrad[acc], &sv.x);
+            let wgrad = if g.gather_x {
+                cx.gemm_gathered(plan, off, &d_h_pre, x, B, src, t, d_gate_up, gws)
+            } else {
+                cx.gemm(plan, off, &d_h_pre, &x_perm, d_gate_up, gws)
+            };
             p.stage(s, "gate_up wgrad", wgrad)?;
             let errors = &mut perm.errors;
             let dx_combine = cx.combine(t, &perm.row_of, None, &sc.get(DX_PERM), dx, errors, true);

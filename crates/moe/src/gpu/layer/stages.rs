@@ -16,7 +16,7 @@ use crate::gpu::{ActivationDesc, DeviceErrors, PermuteBuffers, Rows};
 use crate::MoeError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse_grouped_gemm::{GroupedGemm, GroupedPlan};
+use moefuse_grouped_gemm::{Gather, GatheredOperand, GroupedGemm, GroupedPlan};
 use moefuse_kernels::{self as mk, Kernels};
 use std::sync::Arc;
 
@@ -249,6 +249,38 @@ impl Cx<'_> {
         Ok(self
             .gemm
             .run(plan, self.stream, offsets, a, b, d, workspace)?)
+    }
+
+    /// A grouped GEMM with one operand read as `source`'s token rows through the permutation
+    /// (`source_of[r] / top_k`, `tokens` rows): the backward's GEMMs over `x` and `dy` without
+    /// their permuted copies.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm_gathered<A, B, D>(
+        &self,
+        plan: &GroupedPlan,
+        offsets: &CudaSlice<i32>,
+        a: &A,
+        b: &B,
+        operand: GatheredOperand,
+        source_of: &CudaSlice<i32>,
+        tokens: usize,
+        d: &mut D,
+        workspace: &mut CudaSlice<u8>,
+    ) -> Result<(), MoeError>
+    where
+        A: DevicePtr<bf16>,
+        B: DevicePtr<bf16>,
+        D: DevicePtrMut<bf16>,
+    {
+        let gather = Gather {
+            operand,
+            div: self.plan.config().top_k,
+            source_rows: tokens,
+        };
+        let (s, ws) = (self.stream, workspace);
+        Ok(self
+            .gemm
+            .run_gathered(plan, s, offsets, a, b, source_of, gather, d, ws)?)
     }
 
     /// The routed rows, read on the device from the last offset (no host synchronisation).

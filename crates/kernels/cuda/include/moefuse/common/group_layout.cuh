@@ -53,11 +53,28 @@ CUTE_HOST_DEVICE GroupRows group_rows(const int32_t* offsets, int e, int total_r
 }
 
 // The operands of a grouped launch, checked by run only (a workspace query takes a problem
-// without them); shared by every grouped launcher.
-inline moefuse_status check_grouped_pointers(const moefuse_grouped_gemm_args* p, const char* name) {
+// without them); shared by every grouped launcher. Only a launcher that gathers B's (A's)
+// rows, `gathers_b` (`gathers_a`), takes b_rows (a_rows); the others refuse them rather than
+// read the operand unpermuted.
+inline moefuse_status check_grouped_pointers(const moefuse_grouped_gemm_args* p, const char* name,
+                                             bool gathers_b = false, bool gathers_a = false) {
   if (p->offsets == nullptr || p->a == nullptr || p->b == nullptr || p->d == nullptr) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null pointer (offsets=%p a=%p b=%p d=%p)", name,
                 (const void*)p->offsets, p->a, p->b, p->d);
+  }
+  if (p->b_rows != nullptr && !gathers_b) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: b_rows given, but this variant does not gather B", name);
+  }
+  if (p->b_rows != nullptr && (p->b_rows_div < 1 || p->b_source_rows < 1)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: gathered B needs b_rows_div >= 1 and b_source_rows >= 1 (%d, %d)",
+                name, p->b_rows_div, p->b_source_rows);
+  }
+  if (p->a_rows != nullptr && !gathers_a) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a_rows given, but this variant does not gather A", name);
+  }
+  if (p->a_rows != nullptr && (p->a_rows_div < 1 || p->a_source_rows < 1)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: gathered A needs a_rows_div >= 1 and a_source_rows >= 1 (%d, %d)",
+                name, p->a_rows_div, p->a_source_rows);
   }
   return MOEFUSE_STATUS_OK;
 }

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) M-grouped bf16 GEMM over the contiguous grouped layout (forward and
 // dgrad): CUTLASS's cooperative TMA/WGMMA mainloop collective inside moefuse's own
 // persistent kernel (kernel/sm90_contiguous_grouped.cuh), with the host launcher.
-// Same C entry points as every grouped variant; no workspace.
+// Same C entry points as every grouped variant; no workspace. Takes a_rows (abi.h "Gathered
+// rows").
 #pragma once
 
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -97,7 +98,10 @@ struct ContiguousGroupedLauncher {
     using namespace cute;
     using StrideA = typename Mainloop::StrideA;
     using StrideB = typename Mainloop::StrideB;
-    const int64_t n = p.n, k = p.k, rows = p.total_rows;
+    const int64_t n = p.n, k = p.k;
+    // A gathered A has a_source_rows rows, read by cp.async only (its map spans them and is
+    // never used for a load).
+    const int64_t rows = p.a_rows != nullptr ? p.a_source_rows : p.total_rows;
     StrideA sa = leading_stride<StrideA>(k);
     get<2>(sa) = rows * k;
     StrideB sb = leading_stride<StrideB>(BL_is_nk() ? k : n);
@@ -105,7 +109,7 @@ struct ContiguousGroupedLauncher {
     typename Mainloop::Arguments args{static_cast<const Element*>(p.a), sa, static_cast<const Element*>(p.b), sb};
     // NOTES: the collective builds A and B maps from one (M,N,K,L); A needs L = 1 and B
     // L = E, so each map comes from its own call.
-    auto pa = Mainloop::to_underlying_arguments(make_shape(p.total_rows, p.n, p.k, 1), args, nullptr);
+    auto pa = Mainloop::to_underlying_arguments(make_shape(int(rows), p.n, p.k, 1), args, nullptr);
     auto pb = Mainloop::to_underlying_arguments(make_shape(p.total_rows, p.n, p.k, p.num_groups), args, nullptr);
     pa.tma_load_b = pb.tma_load_b;
     const int band = (p.tile_order >> 8) & 0xff;
@@ -124,6 +128,10 @@ struct ContiguousGroupedLauncher {
     out.n_fast = (p.tile_order & 3) == 1 ? 0 : 1;
     out.interleave = (p.tile_order >> 24) & 1;
     out.prefetch = prefetch;
+    out.a_rows = p.a_rows;
+    out.a = static_cast<const Element*>(p.a);
+    out.a_rows_div = p.a_rows != nullptr ? p.a_rows_div : 1;
+    out.a_source_rows = p.a_rows != nullptr ? p.a_source_rows : p.total_rows;
     return out;
   }
 
@@ -133,8 +141,12 @@ struct ContiguousGroupedLauncher {
     (void)ws_bytes;
     moefuse_status st = check(p, name);
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0 || p->total_rows == 0) return st;
-    st = check_grouped_pointers(p, name);
+    st = check_grouped_pointers(p, name, /*gathers_b=*/false, /*gathers_a=*/true);
     if (st != MOEFUSE_STATUS_OK) return st;
+    // The gathered producer addresses A in 32-bit 16-byte chunks.
+    if (p->a_rows != nullptr && int64_t(p->a_source_rows) * (p->k / 8) >= (int64_t(1) << 32)) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: gathered A of 2^32 16-byte chunks or more", name);
+    }
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) K-grouped bf16 GEMM (wgrad) over the contiguous grouped layout:
 // CUTLASS's cooperative TMA/WGMMA mainloop collective (MN-major A and B) inside moefuse's own
 // persistent kernel (kernel/sm90_contiguous_wgrad.cuh), with the host launcher. Same C entry
-// points as every grouped variant; no workspace.
+// points as every grouped variant; no workspace. Takes a_rows and b_rows (abi.h "Gathered
+// rows").
 #pragma once
 
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -22,7 +23,8 @@ struct ContiguousWgradBf16 {
   static constexpr int kMinor = 0;
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
-  using CarveOut = cute::Int<int(sizeof(kernel::ContiguousWgradEpilogue)) + 64>;
+  using CarveOut =
+      cute::Int<int(sizeof(kernel::ContiguousWgradEpilogue) + sizeof(kernel::ContiguousWgradRowRing)) + 64>;
   // A^T: A [rows, m] row-major is M-major (ColumnMajor for CUTLASS's M x K A); B [rows, n]
   // row-major is N-major (RowMajor for its K x N B).
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -95,8 +97,12 @@ struct ContiguousWgradLauncher {
     // The maps span the total_rows rows (at least 1); only whole chunks inside a group use them.
     const cuuint64_t rows = cuuint64_t(p.total_rows > 0 ? p.total_rows : 1);
     const cuuint64_t m = cuuint64_t(p.k), n = cuuint64_t(p.n);
-    moefuse_status st = encode_bf16_map<2>(&out.a_chunk, p.a, {m, rows}, {m * 2}, {64, 64}, "A chunks");
-    if (st == MOEFUSE_STATUS_OK) st = encode_bf16_map<2>(&out.b_chunk, p.b, {n, rows}, {n * 2}, {64, 64}, "B chunks");
+    // A gathered operand has its source_rows rows and is read by cp.async only (its map
+    // spans them and is never used).
+    const cuuint64_t b_rows = p.b_rows != nullptr ? cuuint64_t(p.b_source_rows) : rows;
+    const cuuint64_t a_rows = p.a_rows != nullptr ? cuuint64_t(p.a_source_rows) : rows;
+    moefuse_status st = encode_bf16_map<2>(&out.a_chunk, p.a, {m, a_rows}, {m * 2}, {64, 64}, "A chunks");
+    if (st == MOEFUSE_STATUS_OK) st = encode_bf16_map<2>(&out.b_chunk, p.b, {n, b_rows}, {n * 2}, {64, 64}, "B chunks");
     // D [groups, m, n] for the beta == 0 epilogue's TMA stores (run() returns before this
     // when there are no groups).
     if (st == MOEFUSE_STATUS_OK && p.beta == 0.f && tma_epilogue_enabled()) {
@@ -118,6 +124,11 @@ struct ContiguousWgradLauncher {
     out.a = static_cast<const Element*>(p.a);
     out.b = static_cast<const Element*>(p.b);
     out.d = static_cast<Element*>(p.d);
+    // At most one gathered operand (run() refuses both).
+    out.gather_a = p.a_rows != nullptr ? 1 : 0;
+    out.rows = p.a_rows != nullptr ? p.a_rows : p.b_rows;
+    out.rows_div = cutlass::FastDivmod(p.a_rows != nullptr ? p.a_rows_div : (p.b_rows != nullptr ? p.b_rows_div : 1));
+    out.source_rows = p.a_rows != nullptr ? p.a_source_rows : (p.b_rows != nullptr ? p.b_source_rows : p.total_rows);
     out.groups = p.num_groups;
     out.total_rows = p.total_rows;
     out.m = p.k;
@@ -134,8 +145,16 @@ struct ContiguousWgradLauncher {
     (void)ws_bytes;
     moefuse_status st = check(p, name);
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0) return st;
-    st = check_grouped_pointers(p, name);
+    st = check_grouped_pointers(p, name, /*gathers_b=*/true, /*gathers_a=*/true);
     if (st != MOEFUSE_STATUS_OK) return st;
+    if (p->a_rows != nullptr && p->b_rows != nullptr) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a_rows and b_rows: one gathered operand per launch", name);
+    }
+    // The gathered producer addresses its operand in 32-bit 16-byte chunks.
+    if ((p->b_rows != nullptr && int64_t(p->b_source_rows) * (p->n / 8) >= (int64_t(1) << 32)) ||
+        (p->a_rows != nullptr && int64_t(p->a_source_rows) * (p->k / 8) >= (int64_t(1) << 32))) {
+      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a gathered operand of 2^32 16-byte chunks or more", name);
+    }
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;
