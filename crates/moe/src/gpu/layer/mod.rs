@@ -186,9 +186,9 @@ struct BackwardPlans {
     down_wgrad: [GroupedPlan; 2],
     gate_up_wgrad: [GroupedPlan; 2],
     /// The gate_up wgrad reads `x`'s token rows through `source_of` (a contiguous wgrad
-    /// gathers B in its producer) instead of a regathered `x_perm`. Off unless
-    /// `MOEFUSE_GATHER_X=on`: measured slower than the regather (docs/perf-notes.md,
-    /// session 16: the gathered B gives up the pair's multicast).
+    /// gathers B in its producer) instead of a regathered `x_perm`. `MOEFUSE_GATHER_X=off`
+    /// keeps the regather: the gathered wgrad gives up the pair's multicast of B and runs
+    /// ~190 µs slower, about what the regather costs (docs/perf-notes.md, session 16).
     gather_x: bool,
     /// The down dgrad and wgrad read `dy`'s token rows through `source_of` (contiguous
     /// variants gather A in their producers) instead of a gathered `dy_perm`.
@@ -219,11 +219,11 @@ impl GemmPlans {
             Mode::Training => {
                 let (gate_up_wgrad, down_wgrad) = (wgrad(w, d)?, wgrad(d, i)?);
                 let down_dgrad = plan(GroupedDesc::dgrad(e, rows, d, i, BLayout::Nk))?;
-                // dy is gathered wherever the chosen variants can (the env knobs measure the
-                // copies beside the gathers: `bench_moe --profile`).
+                // x and dy are gathered wherever the chosen variants can; the env knobs keep
+                // the copies, to time them beside the gathers (`bench_moe --profile`).
                 let env = |name: &str| std::env::var(name).ok();
                 let on = env("MOEFUSE_BACKWARD_GATHER").is_none_or(|v| v != "off");
-                let x_on = on && env("MOEFUSE_GATHER_X").is_some_and(|v| v == "on");
+                let x_on = on && env("MOEFUSE_GATHER_X").is_none_or(|v| v != "off");
                 let gather_dy = on && contiguous(&[&down_dgrad, &down_wgrad[0], &down_wgrad[1]]);
                 Some(BackwardPlans {
                     gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,

@@ -59,8 +59,10 @@ impl fmt::Display for Mode {
 /// | `routing` | ids, weights `[T, k]`, the permutation (`row_of`, `source_of`, offsets, scratch): `O(T·k)` | the same plus `T` identity rows (the copy of `x`); the backward reads it |
 /// | `gemm_workspace` | the forward GEMMs' (device-queried, a few hundred bytes per expert) | forward and backward GEMMs' |
 ///
-/// The backward recomputes the rest in the workspace: `x_perm` regathered from `x`, `h`
-/// from `h_pre` (in the routed activation backward), and no `y_e` at all:
+/// The backward recomputes the rest: its GEMMs read `x` and `dy` through `source_of` (on
+/// sm90a; elsewhere, or with `MOEFUSE_BACKWARD_GATHER=off`, `x_perm` and `dy_perm` are
+/// regathered into the workspace), `h` from `h_pre` (in the routed activation backward),
+/// and no `y_e` at all:
 /// `d_topk_weights = ⟨dy · D_e, h⟩` (= `⟨dy, y_e⟩`).
 ///
 /// ```
@@ -169,9 +171,10 @@ pub(super) const X_PERM: usize = 0;
 pub(super) const H_PRE: usize = 1;
 pub(super) const H: usize = 2;
 pub(super) const Y_E: usize = 3;
-/// The backward's scratch: `x_perm` regathered from the saved `x`, the unweighted
-/// `dy_perm` (then `dx_perm` in its region), `dh = dy_perm · D_e`, `h_scaled = w · h`,
-/// `d_h_pre`.
+/// The backward's scratch: `x_perm` regathered from the saved `x` and the unweighted
+/// `dy_perm` (both only where the GEMMs cannot read them through `source_of`; the
+/// workspace keeps room for them, as the plan does not know the device), `dx_perm` (in
+/// `dy_perm`'s region), `dh = dy · D_e`, `h_scaled = w · h`, `d_h_pre`.
 pub(super) const X_AGAIN: usize = 0;
 pub(super) const DY_PERM: usize = 1;
 pub(super) const DH: usize = 2;
