@@ -13,8 +13,8 @@ mod common;
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{
-    reference, BLayout, Gather, GatheredOperand, GemmError, GroupedDesc, GroupedGemm, GroupedOp,
-    Operand, TileOrder,
+    reference, BLayout, Gather, GatheredOperand, GemmError, GroupedDesc, GroupedGemm, Operand,
+    TileOrder,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
@@ -67,26 +67,6 @@ fn routed_index(rng: &mut Rng, rows: usize, top_k: usize) -> (Vec<i32>, usize) {
         slots[rng.below(rows)] = i32::MAX;
     }
     (slots, tokens)
-}
-
-/// Which elements of D the call may write.
-fn touched_mask(desc: &GroupedDesc, ends: &[i32]) -> Vec<bool> {
-    let [_, _, (_, d_len)] = desc.extents();
-    let mut mask = vec![false; d_len];
-    for (e, r) in reference::group_ranges(ends, desc.rows)
-        .into_iter()
-        .enumerate()
-    {
-        let span = match desc.op {
-            GroupedOp::MGrouped(_) => r.start * desc.n..r.end * desc.n,
-            GroupedOp::KGrouped if !r.is_empty() || desc.beta == 0.0 => {
-                e * desc.k * desc.n..(e + 1) * desc.k * desc.n
-            }
-            GroupedOp::KGrouped => continue,
-        };
-        mask[span].iter_mut().for_each(|m| *m = true);
-    }
-    mask
 }
 
 fn check_one(
@@ -165,7 +145,7 @@ fn check_one(
     .map_err(|x| format!("{what}: {x}"))?;
     let got_bits = stream.clone_dtoh(&d_d).map_err(e)?;
     let want = reference::grouped(desc, &ends, &a, &b, &d0);
-    let touched = touched_mask(desc, &ends);
+    let touched = common::touched_mask(desc, &ends);
     let (mut got, mut wanted) = (Vec::new(), Vec::new());
     for (i, (&g, &w0)) in got_bits.iter().zip(&d0).enumerate() {
         if touched[i] {

@@ -11,8 +11,7 @@ mod common;
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{
-    check_offsets, reference, BLayout, GemmError, GroupedDesc, GroupedGemm, GroupedOp, Operand,
-    TileOrder,
+    check_offsets, reference, BLayout, GemmError, GroupedDesc, GroupedGemm, Operand, TileOrder,
 };
 use moefuse_testkit::{check_close, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
@@ -96,7 +95,7 @@ fn check(
     let got_bits = stream.clone_dtoh(&d_d).map_err(e)?;
     let want = reference::grouped(desc, ends, &a, &b, &d0);
     // Elements the call must not touch keep their exact bits (poison included).
-    let touched = touched_mask(desc, ends);
+    let touched = common::touched_mask(desc, ends);
     for (i, (&g, &w0)) in got_bits.iter().zip(&d0).enumerate() {
         if !touched[i] && g.to_bits() != w0.to_bits() {
             return Err(format!(
@@ -118,28 +117,6 @@ fn check(
         BF16_REL_ERR,
         &format!("{what} ({})", plan.variant()),
     )
-}
-
-/// Which elements of D the call may write.
-fn touched_mask(desc: &GroupedDesc, ends: &[i32]) -> Vec<bool> {
-    let [_, _, (_, d_len)] = desc.extents();
-    let mut mask = vec![false; d_len];
-    for (e, r) in reference::group_ranges(ends, desc.rows)
-        .into_iter()
-        .enumerate()
-    {
-        match desc.op {
-            GroupedOp::MGrouped(_) => mask[r.start * desc.n..r.end * desc.n]
-                .iter_mut()
-                .for_each(|m| *m = true),
-            GroupedOp::KGrouped if !r.is_empty() || desc.beta == 0.0 => mask
-                [e * desc.k * desc.n..(e + 1) * desc.k * desc.n]
-                .iter_mut()
-                .for_each(|m| *m = true),
-            GroupedOp::KGrouped => {}
-        }
-    }
-    mask
 }
 
 fn every_variant(

@@ -161,12 +161,44 @@ struct Sm90ContiguousWgrad {
     return true;
   }
 
+  // A's strips of one whole chunk by TMA (thread 0).
+  CUTE_DEVICE static void tma_load_a(Params const& p, uint64_t* barrier, cutlass::bfloat16_t* a, int m0, int r0) {
+    using namespace cute;
+    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+    CUTE_UNROLL
+    for (int s = 0; s < kStripsA; ++s) {
+      SM90_TMA_LOAD_2D::copy(&p.a_chunk, barrier, kHint, a + s * kStrip, m0 + 64 * s, r0);
+    }
+  }
+
+  // B's strips of one whole chunk by TMA (thread 0): all four, or with kClusterM = 2 this
+  // CTA's half into the same stage of both CTAs (the pair walks the same (group, n-block)
+  // tiles and chunks, so the stages correspond).
+  CUTE_DEVICE static void tma_load_b(Params const& p, uint64_t* barrier, cutlass::bfloat16_t* b, int n0, int r0,
+                                     int rank) {
+    using namespace cute;
+    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+    if constexpr (kClusterM == 1) {
+      CUTE_UNROLL
+      for (int s = 0; s < kStripsB; ++s) {
+        SM90_TMA_LOAD_2D::copy(&p.b_chunk, barrier, kHint, b + s * kStrip, n0 + 64 * s, r0);
+      }
+    } else {
+      constexpr int kMine = kStripsB / kClusterM;
+      constexpr uint16_t kBoth = 0b11;
+      CUTE_UNROLL
+      for (int h = 0; h < kMine; ++h) {
+        const int s = rank * kMine + h;
+        SM90_TMA_LOAD_MULTICAST_2D::copy(&p.b_chunk, barrier, kBoth, kHint, b + s * kStrip, n0 + 64 * s, r0);
+      }
+    }
+  }
+
   // Producer perspective (warp group 0, thread t of 128): the chunks of one tile.
   CUTE_DEVICE static void load_tile(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
                                     SharedStorage& shared, Tile const& t, int thread, int rank) {
     using namespace cute;
     using Chunk = cute::uint128_t;
-    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
     constexpr uint32_t kBytes = (kStageElementsA + kStageElementsB) * sizeof(cutlass::bfloat16_t);
     constexpr int kStrips = kStripsA + kStripsB;
     static_assert(kStrips % 2 == 0, "two producer threads per row share its strips");
@@ -185,26 +217,8 @@ struct Sm90ContiguousWgrad {
       if (r0 + kTileK <= t.rows.end) {
         if (thread == 0) {
           cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytes);
-          CUTE_UNROLL
-          for (int s = 0; s < kStripsA; ++s) {
-            SM90_TMA_LOAD_2D::copy(&p.a_chunk, barrier, kHint, a + s * kStrip, m0 + 64 * s, r0);
-          }
-          if constexpr (kClusterM == 1) {
-            CUTE_UNROLL
-            for (int s = 0; s < kStripsB; ++s) {
-              SM90_TMA_LOAD_2D::copy(&p.b_chunk, barrier, kHint, b + s * kStrip, n0 + 64 * s, r0);
-            }
-          } else {
-            // This CTA's half of B's strips, into the same stage of both CTAs (the pair walks
-            // the same (group, n-block) tiles and chunks, so the stages correspond).
-            constexpr int kMine = kStripsB / kClusterM;
-            constexpr uint16_t kBoth = 0b11;
-            CUTE_UNROLL
-            for (int h = 0; h < kMine; ++h) {
-              const int s = rank * kMine + h;
-              SM90_TMA_LOAD_MULTICAST_2D::copy(&p.b_chunk, barrier, kBoth, kHint, b + s * kStrip, n0 + 64 * s, r0);
-            }
-          }
+          tma_load_a(p, barrier, a, m0, r0);
+          tma_load_b(p, barrier, b, n0, r0, rank);
         }
         cutlass::arch::ClusterBarrier::arrive(barrier);
       } else {
@@ -321,7 +335,6 @@ struct Sm90ContiguousWgrad {
                                         SharedStorage& shared, Walk const& w, int first, int thread) {
     using namespace cute;
     using Chunk = cute::uint128_t;
-    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
     constexpr uint32_t kBytesA = kStageElementsA * sizeof(cutlass::bfloat16_t);
     constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
     constexpr int kStrips = kStripsA + kStripsB;
@@ -379,10 +392,7 @@ struct Sm90ContiguousWgrad {
           if (gather_a) {
             tma_load_b(p, barrier, b, n0, r0, w.rank);
           } else {
-            CUTE_UNROLL
-            for (int s = 0; s < kStripsA; ++s) {
-              SM90_TMA_LOAD_2D::copy(&p.a_chunk, barrier, kHint, a + s * kStrip, m0 + 64 * s, r0);
-            }
+            tma_load_a(p, barrier, a, m0, r0);
           }
         }
         if (!gather_a) {
@@ -425,28 +435,6 @@ struct Sm90ContiguousWgrad {
       cp_async_fence();
       ++seq;
       step(p, w, cur);
-    }
-  }
-
-  // B's strips of one whole chunk by TMA (thread 0): all four, or with kClusterM = 2 this
-  // CTA's half into the same stage of both CTAs.
-  CUTE_DEVICE static void tma_load_b(Params const& p, uint64_t* barrier, cutlass::bfloat16_t* b, int n0, int r0,
-                                     int rank) {
-    using namespace cute;
-    constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
-    if constexpr (kClusterM == 1) {
-      CUTE_UNROLL
-      for (int s = 0; s < kStripsB; ++s) {
-        SM90_TMA_LOAD_2D::copy(&p.b_chunk, barrier, kHint, b + s * kStrip, n0 + 64 * s, r0);
-      }
-    } else {
-      constexpr int kMine = kStripsB / kClusterM;
-      constexpr uint16_t kBoth = 0b11;
-      CUTE_UNROLL
-      for (int h = 0; h < kMine; ++h) {
-        const int s = rank * kMine + h;
-        SM90_TMA_LOAD_MULTICAST_2D::copy(&p.b_chunk, barrier, kBoth, kHint, b + s * kStrip, n0 + 64 * s, r0);
-      }
     }
   }
 
