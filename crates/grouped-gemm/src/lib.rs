@@ -12,6 +12,11 @@
 //!    synchronisation and capture into CUDA graphs.
 //! 4. [`mod@reference`] computes the same problems on the CPU, for tests.
 //!
+//! **Gathered rows.** On the contiguous (`_contig`, sm90a) variants one operand's rows can
+//! be read through an index instead of a permuted copy ([`GroupedGemm::run_gathered`]): A of
+//! a forward, dgrad or wgrad, or B of a wgrad, row `r` being row `index[r] / div` of a
+//! smaller buffer. The MoE layer's backward reads `x` and `dy` this way.
+//!
 //! **Memory layout.** Row-major throughout: A `[m, k]`, B `[n, k]` ([`BLayout::Nk`], as
 //! `nn.Linear` stores weights) or `[k, n]` ([`BLayout::Kn`]), D `[m, n]`; bf16 operands,
 //! fp32 accumulation. `k` and `n` must be multiples of 8 (16-byte rows for TMA); `m` is
