@@ -193,7 +193,7 @@ pub struct GatheredRows<'a> {
     pub index: &'a dyn DevicePtr<i32>,
     /// Divisor applied to each entry (>= 1).
     pub div: usize,
-    /// Rows of B (>= 1).
+    /// Rows of the gathered operand (>= 1).
     pub source_rows: usize,
 }
 
@@ -646,6 +646,12 @@ impl<'a> GroupedGemm<'a> {
         let need = b.kernels.grouped_workspace(self.variant, &s)?;
         let [mut ea, mut eb, ed] = grouped_extents(kernel, self.variant.spec.op, &s)?;
         let mut gather = [GatherArgs::default(); 2];
+        if self.a_rows.is_some() && self.b_rows.is_some() {
+            return Err(KernelError::Inconsistent {
+                kernel: kernel.to_string(),
+                why: "a_rows and b_rows: one gathered operand per launch",
+            });
+        }
         for (i, rows) in [self.a_rows, self.b_rows].into_iter().enumerate() {
             let Some(rows) = rows else { continue };
             let (width, name) = if i == 1 {
