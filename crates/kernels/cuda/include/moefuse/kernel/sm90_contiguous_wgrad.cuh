@@ -194,14 +194,37 @@ struct Sm90ContiguousWgrad {
     }
   }
 
+  // A group's last, partial chunk into one stage, by cp.async: chunk row k by threads 2k and
+  // 2k + 1, half of its strips each, reading A's row `row_a` and B's row `row_b` (-1: zeros;
+  // so are columns past the matrix). Both producers use it (gathered rows or not).
+  CUTE_DEVICE static void copy_partial_chunk(Params const& p, cutlass::bfloat16_t* a, cutlass::bfloat16_t* b, int m0,
+                                             int n0, int row_a, int row_b, int thread) {
+    using Chunk = cute::uint128_t;
+    constexpr int kStrips = kStripsA + kStripsB;
+    static_assert(kStrips % 2 == 0, "two producer threads per row share its strips");
+    const int k = thread / 2;
+#pragma unroll 1  // the producers run on 56 registers
+    for (int h = 0; h < kStrips / 2; ++h) {
+      const int s = (thread % 2) * (kStrips / 2) + h;
+      const bool is_a = s < kStripsA;
+      const int col0 = is_a ? m0 + 64 * s : n0 + 64 * (s - kStripsA);
+      const int width = is_a ? p.m : p.n;
+      const int from = is_a ? row_a : row_b;
+      const auto* src = reinterpret_cast<const Chunk*>((is_a ? p.a : p.b) + int64_t(from < 0 ? 0 : from) * width);
+      auto* dst = reinterpret_cast<Chunk*>((is_a ? a + s * kStrip : b + (s - kStripsA) * kStrip) + k * 64);
+      CUTE_UNROLL
+      for (int q = 0; q < 8; ++q) {
+        const bool valid = from >= 0 && col0 + 8 * q < width;  // width % 8 == 0
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(src[valid ? col0 / 8 + q : 0], dst[q ^ (k & 7)], valid);
+      }
+    }
+  }
+
   // Producer perspective (warp group 0, thread t of 128): the chunks of one tile.
   CUTE_DEVICE static void load_tile(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
                                     SharedStorage& shared, Tile const& t, int thread, int rank) {
     using namespace cute;
-    using Chunk = cute::uint128_t;
     constexpr uint32_t kBytes = (kStageElementsA + kStageElementsB) * sizeof(cutlass::bfloat16_t);
-    constexpr int kStrips = kStripsA + kStripsB;
-    static_assert(kStrips % 2 == 0, "two producer threads per row share its strips");
     static_assert(kStripsB % kClusterM == 0, "a pair splits B's strips evenly");
     const int m0 = t.m_block * kTileM, n0 = t.n_block * kTileN;
     const int chunks = (t.rows.rows() + kTileK - 1) / kTileK;
@@ -222,25 +245,10 @@ struct Sm90ContiguousWgrad {
         }
         cutlass::arch::ClusterBarrier::arrive(barrier);
       } else {
-        // The group's last chunk: row k of the chunk by threads 2k and 2k + 1, half of its
-        // strips each; rows past the group's end and columns past the matrix are zeros.
-        const int k = thread / 2;
-        const int row = r0 + k;
-        const bool live = row < t.rows.end;
-#pragma unroll 1  // the producers run on 56 registers
-        for (int h = 0; h < kStrips / 2; ++h) {
-          const int s = (thread % 2) * (kStrips / 2) + h;
-          const bool is_a = s < kStripsA;
-          const int col0 = is_a ? m0 + 64 * s : n0 + 64 * (s - kStripsA);
-          const int width = is_a ? p.m : p.n;
-          const auto* src = reinterpret_cast<const Chunk*>((is_a ? p.a : p.b) + int64_t(live ? row : 0) * width);
-          auto* dst = reinterpret_cast<Chunk*>((is_a ? a + s * kStrip : b + (s - kStripsA) * kStrip) + k * 64);
-          CUTE_UNROLL
-          for (int q = 0; q < 8; ++q) {
-            const bool valid = live && col0 + 8 * q < width;  // width % 8 == 0
-            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(src[valid ? col0 / 8 + q : 0], dst[q ^ (k & 7)], valid);
-          }
-        }
+        // The group's last chunk: rows past the group's end are zeros.
+        const int row = r0 + thread / 2;
+        const int from = row < t.rows.end ? row : -1;
+        copy_partial_chunk(p, a, b, m0, n0, from, from, thread);
         cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       }
       ++write;
@@ -334,10 +342,8 @@ struct Sm90ContiguousWgrad {
   CUTE_DEVICE static void load_gathered(Params const& p, MainloopPipeline& pipeline, PipelineState& write,
                                         SharedStorage& shared, Walk const& w, int first, int thread) {
     using namespace cute;
-    using Chunk = cute::uint128_t;
     constexpr uint32_t kBytesA = kStageElementsA * sizeof(cutlass::bfloat16_t);
     constexpr uint32_t kBytesB = kStageElementsB * sizeof(cutlass::bfloat16_t);
-    constexpr int kStrips = kStripsA + kStripsB;
     const bool gather_a = p.gather_a != 0;
     // Threads 0-63 copy one row index each of the chunk `c` into ring slot `slot` (rows past
     // the group read 0; the copies below never use them).
@@ -402,29 +408,14 @@ struct Sm90ContiguousWgrad {
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       } else {
-        // The group's last chunk: row k by threads 2k and 2k + 1, half of its strips each;
-        // rows past the group's end, bad indices and columns past the matrix are zeros.
+        // The group's last chunk: rows past the group's end and bad indices are zeros.
         const int k = thread / 2;
         const int row = r0 + k;
         const bool live = row < t.rows.end;
         const int gathered = live ? resolve(p, ring[k]) : -1;
         const int row_a = no_rows || !live ? -1 : (gather_a ? gathered : row);
         const int row_b = !live ? -1 : (gather_a ? row : gathered);
-#pragma unroll 1
-        for (int h = 0; h < kStrips / 2; ++h) {
-          const int s = (thread % 2) * (kStrips / 2) + h;
-          const bool is_a = s < kStripsA;
-          const int col0 = is_a ? m0 + 64 * s : n0 + 64 * (s - kStripsA);
-          const int width = is_a ? p.m : p.n;
-          const int from = is_a ? row_a : row_b;
-          const auto* src_row = reinterpret_cast<const Chunk*>((is_a ? p.a : p.b) + int64_t(from < 0 ? 0 : from) * width);
-          auto* dst = reinterpret_cast<Chunk*>((is_a ? a + s * kStrip : b + (s - kStripsA) * kStrip) + k * 64);
-          CUTE_UNROLL
-          for (int q = 0; q < 8; ++q) {
-            const bool valid = from >= 0 && col0 + 8 * q < width;  // width % 8 == 0
-            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(src_row[valid ? col0 / 8 + q : 0], dst[q ^ (k & 7)], valid);
-          }
-        }
+        copy_partial_chunk(p, a, b, m0, n0, row_a, row_b, thread);
         cutlass::arch::cpasync_barrier_arrive_noinc(barrier);
       }
       ++write;
