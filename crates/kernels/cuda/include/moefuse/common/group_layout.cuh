@@ -76,6 +76,12 @@ inline moefuse_status check_grouped_pointers(const moefuse_grouped_gemm_args* p,
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: gathered A needs a_rows_div >= 1 and a_source_rows >= 1 (%d, %d)",
                 name, p->a_rows_div, p->a_source_rows);
   }
+  // The gathered producers address their operand (B [b_source_rows, n], A [a_source_rows, k])
+  // in 32-bit 16-byte chunks.
+  if ((p->b_rows != nullptr && int64_t(p->b_source_rows) * (p->n / 8) >= (int64_t(1) << 32)) ||
+      (p->a_rows != nullptr && int64_t(p->a_source_rows) * (p->k / 8) >= (int64_t(1) << 32))) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a gathered operand of 2^32 16-byte chunks or more", name);
+  }
   return MOEFUSE_STATUS_OK;
 }
 

@@ -143,10 +143,6 @@ struct ContiguousGroupedLauncher {
     if (st != MOEFUSE_STATUS_OK || p->num_groups == 0 || p->total_rows == 0) return st;
     st = check_grouped_pointers(p, name, /*gathers_b=*/false, /*gathers_a=*/true);
     if (st != MOEFUSE_STATUS_OK) return st;
-    // The gathered producer addresses A in 32-bit 16-byte chunks.
-    if (p->a_rows != nullptr && int64_t(p->a_source_rows) * (p->k / 8) >= (int64_t(1) << 32)) {
-      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: gathered A of 2^32 16-byte chunks or more", name);
-    }
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;

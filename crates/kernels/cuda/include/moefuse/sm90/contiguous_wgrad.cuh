@@ -150,11 +150,6 @@ struct ContiguousWgradLauncher {
     if (p->a_rows != nullptr && p->b_rows != nullptr) {
       return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a_rows and b_rows: one gathered operand per launch", name);
     }
-    // The gathered producer addresses its operand in 32-bit 16-byte chunks.
-    if ((p->b_rows != nullptr && int64_t(p->b_source_rows) * (p->n / 8) >= (int64_t(1) << 32)) ||
-        (p->a_rows != nullptr && int64_t(p->a_source_rows) * (p->k / 8) >= (int64_t(1) << 32))) {
-      return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a gathered operand of 2^32 16-byte chunks or more", name);
-    }
     int device = 0, sms = 0;
     st = check_device(Config::kMajor, Config::kMinor, name, &sms, &device);
     if (st != MOEFUSE_STATUS_OK) return st;
