@@ -243,6 +243,7 @@ pub(crate) enum Call {
     Permute(ffi::MoefusePermuteArgs),
     GateUpFused(ffi::MoefuseGateUpArgs),
     DownScatter(ffi::MoefuseDownScatterArgs),
+    DownDgradFused(ffi::MoefuseDownDgradArgs),
     DecodeForward(ffi::MoefuseDecodeArgs),
     ScatterColumns(ffi::MoefuseScatterColumnsArgs),
     ColumnsToF32(ffi::MoefuseColumnsToF32Args),
@@ -301,6 +302,8 @@ impl Call {
                 Call::GateUpFused(a) => ffi::moefuse_moe_gate_up_fused(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::DownScatter(a) => ffi::moefuse_moe_down_scatter(a, stream),
+                #[cfg(moefuse_moe_linked)]
+                Call::DownDgradFused(a) => ffi::moefuse_moe_down_dgrad_fused(a, stream),
                 #[cfg(moefuse_moe_linked)]
                 Call::DecodeForward(a) => ffi::moefuse_moe_decode_forward(a, stream),
                 #[cfg(moefuse_moe_linked)]

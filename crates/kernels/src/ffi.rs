@@ -432,6 +432,61 @@ pub struct MoefuseDownScatterArgs {
     pub row_dst: *const u64,
 }
 
+/// `MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK`: columns of `I` per partial of the fused down dgrad's
+/// `d_topk_weights` (`partials` holds `ceil(I / 256)` per row).
+pub const MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK: usize = 256;
+
+/// `moefuse_down_dgrad_args` (moe_abi.h): the down dgrad with the routed activation
+/// backward in its epilogue.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MoefuseDownDgradArgs {
+    /// Tokens (rows of dy).
+    pub tokens: i32,
+    /// Slots per token.
+    pub top_k: i32,
+    /// `D` (K, multiple of 8).
+    pub hidden: i32,
+    /// `I` (N, multiple of 8).
+    pub intermediate: i32,
+    /// Experts (groups).
+    pub experts: i32,
+    /// `MOEFUSE_ACTIVATION_*`.
+    pub activation: i32,
+    /// `MOEFUSE_GATE_UP_*` of `h_pre` and `d_h_pre`.
+    pub layout: i32,
+    /// 0 or the contiguous grouped GEMM's tile-order fields.
+    pub tile_order: i32,
+    /// SwiGLU-OAI's alpha.
+    pub alpha: f32,
+    /// The clamped activations' limit.
+    pub limit: f32,
+    /// `[experts]` prefix-sum ends.
+    pub offsets: *const i32,
+    /// `[tokens * top_k]` slot of each row.
+    pub source_of: *const i32,
+    /// `[tokens * top_k]` routing weights.
+    pub weights: *const f32,
+    /// `[tokens, hidden]` bf16.
+    pub dy: *const c_void,
+    /// `[experts, hidden, intermediate]` bf16.
+    pub w: *const c_void,
+    /// `[tokens * top_k, W]` bf16.
+    pub h_pre: *const c_void,
+    /// `[tokens * top_k, W]` bf16 out.
+    pub d_h_pre: *mut c_void,
+    /// `[tokens * top_k, intermediate]` bf16 out.
+    pub h_scaled: *mut c_void,
+    /// `[tokens * top_k, ceil(intermediate / 256)]` fp32 scratch.
+    pub partials: *mut f32,
+    /// `[tokens * top_k]` out.
+    pub d_weights: *mut f32,
+    /// `[1]` error bits, or null.
+    pub errors: *mut u32,
+    /// `[1]` the permutation's tokens stamp, or null.
+    pub expect_tokens: *const u32,
+}
+
 /// `MOEFUSE_GATE_UP_MAX_PEERS`: most ranks a fused gate_up reads rows from.
 pub const MOEFUSE_GATE_UP_MAX_PEERS: usize = 8;
 
@@ -587,6 +642,11 @@ extern "C" {
         args: *const MoefuseDownScatterArgs,
         stream: *mut c_void,
     ) -> MoefuseStatus;
+    /// `moefuse_moe_down_dgrad_fused(args, stream)`
+    pub fn moefuse_moe_down_dgrad_fused(
+        args: *const MoefuseDownDgradArgs,
+        stream: *mut c_void,
+    ) -> MoefuseStatus;
     /// `moefuse_moe_permute(args, stream)`
     pub fn moefuse_moe_permute(
         args: *const MoefusePermuteArgs,
@@ -663,6 +723,10 @@ mod tests {
         assert_eq!(offset_of!(MoefuseDecodeArgs, topk_ids), 40);
         assert_eq!(offset_of!(MoefuseDecodeArgs, errors), 128);
         assert_eq!(size_of::<MoefuseGateUpArgs>(), 168);
+        assert_eq!(size_of::<MoefuseDownDgradArgs>(), 136);
+        assert_eq!(offset_of!(MoefuseDownDgradArgs, offsets), 40);
+        assert_eq!(offset_of!(MoefuseDownDgradArgs, partials), 104);
+        assert_eq!(offset_of!(MoefuseDownDgradArgs, expect_tokens), 128);
         assert_eq!(size_of::<MoefuseDownScatterArgs>(), 56);
         assert_eq!(offset_of!(MoefuseDownScatterArgs, offsets), 24);
         assert_eq!(offset_of!(MoefuseDownScatterArgs, row_dst), 48);

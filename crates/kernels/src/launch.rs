@@ -30,8 +30,8 @@
 use crate::bind::Binder;
 use crate::moe_ops::{
     Activation, ActivationBackwardRouted, ColumnsToF32, CombineBackward, CombineForward,
-    DecodeForward, DownScatter, GateUpFused, GatherRows, Permute, RouterBackward, RouterForward,
-    ScatterColumns,
+    DecodeForward, DownDgradFused, DownScatter, GateUpFused, GatherRows, Permute, RouterBackward,
+    RouterForward, ScatterColumns,
 };
 use crate::ops::{Gemm, GroupedGemm};
 use crate::{KernelError, Kernels};
@@ -67,6 +67,8 @@ pub enum Launch<'a> {
     GateUpFused(GateUpFused<'a>),
     /// `moefuse_moe_down_scatter`.
     DownScatter(DownScatter<'a>),
+    /// `moefuse_moe_down_dgrad_fused`.
+    DownDgradFused(DownDgradFused<'a>),
     /// `moefuse_moe_decode_forward`.
     DecodeForward(DecodeForward<'a>),
     /// `moefuse_moe_scatter_columns`.
@@ -101,6 +103,7 @@ launch_from!(
     Permute(Permute),
     GateUpFused(GateUpFused),
     DownScatter(DownScatter),
+    DownDgradFused(DownDgradFused),
     DecodeForward(DecodeForward),
     ScatterColumns(ScatterColumns),
     ColumnsToF32(ColumnsToF32),
@@ -123,6 +126,7 @@ impl Launch<'_> {
             Launch::Permute(_) => "moefuse_moe_permute".into(),
             Launch::GateUpFused(_) => "moefuse_moe_gate_up_fused".into(),
             Launch::DownScatter(_) => "moefuse_moe_down_scatter".into(),
+            Launch::DownDgradFused(_) => "moefuse_moe_down_dgrad_fused".into(),
             Launch::DecodeForward(_) => "moefuse_moe_decode_forward".into(),
             Launch::ScatterColumns(_) => "moefuse_moe_scatter_columns".into(),
             Launch::ColumnsToF32(_) => "moefuse_moe_columns_to_f32".into(),
@@ -172,6 +176,7 @@ impl Kernels {
             Launch::Permute(p) => p.bind(&mut binder)?,
             Launch::GateUpFused(g) => g.bind(&mut binder)?,
             Launch::DownScatter(d) => d.bind(&mut binder)?,
+            Launch::DownDgradFused(d) => d.bind(&mut binder)?,
             Launch::DecodeForward(d) => d.bind(&mut binder)?,
             Launch::ScatterColumns(c) => c.bind(&mut binder)?,
             Launch::ColumnsToF32(c) => c.bind(&mut binder)?,

@@ -11,11 +11,13 @@ use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
 
 mod columns;
 mod decode;
+mod down_dgrad;
 mod down_scatter;
 mod gate_up;
 mod permute;
 pub use columns::{ColumnsToF32, ScatterColumns};
 pub use decode::{DecodeForward, DECODE_DIM_MULTIPLE};
+pub use down_dgrad::{DownDgradFused, DOWN_DGRAD_COLUMN_BLOCK};
 pub use down_scatter::{DownScatter, ScatterRows, ScatterWeights};
 pub use gate_up::{GateUpFused, GateUpRows, PeerRows};
 pub use permute::{CombineBackward, CombineForward, GatherRows, Permute};

@@ -15,7 +15,9 @@ mod layer_common;
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
 use layer_common::{bits, check_case, e, graph_replay_case, same_bits, Case, Route};
-use moefuse::gpu::{decode_applies, decode_forward, DecodeInputs, DeviceErrors, GateUpPath};
+use moefuse::gpu::{
+    decode_applies, decode_forward, ActivationBackwardPath, DecodeInputs, DeviceErrors, GateUpPath,
+};
 use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
@@ -116,6 +118,7 @@ fn decode_layer_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> 
             seed.wrapping_add(n as u64),
             true,
             GateUpPath::Auto,
+            ActivationBackwardPath::Auto,
         )?;
         println!("{} ok", case.name);
     }

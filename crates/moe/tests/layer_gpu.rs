@@ -12,7 +12,10 @@ mod layer_common;
 use cudarc::driver::CudaContext;
 use half::bf16;
 use layer_common::{build, cases, check_case, e, f32s, inputs, to_bf, Built};
-use moefuse::gpu::{GateUpPath, Mode, MoePlan, MoeWorkspace, Routing, Weights};
+use moefuse::gpu::{
+    gate_up_fused_supported, ActivationBackwardPath, GateUpPath, Mode, MoePlan, MoeWorkspace,
+    Routing, Weights,
+};
 use moefuse::model::MoeWeights;
 
 use moefuse::{MoeConfig, MoeError, RouterKind};
@@ -23,20 +26,43 @@ use std::sync::Arc;
 /// gate_up the layer picks by itself ([`GateUpPath::Auto`]: the fused gather on sm_90a at
 /// these sizes).
 fn layer_cases(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    cases_on(ctx, GateUpPath::Auto)
+    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Auto)
 }
 
 /// The same with the unfused gate_up (the permutation's gather, the GEMM, the activation).
 fn layer_cases_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    cases_on(ctx, GateUpPath::Unfused)
+    cases_on(ctx, GateUpPath::Unfused, ActivationBackwardPath::Auto)
 }
 
-fn cases_on(ctx: &Arc<CudaContext>, path: GateUpPath) -> Result<(), String> {
+/// The same with the routed activation backward in the down dgrad's epilogue (sm_90a; the
+/// layer's own rule leaves it off at these sizes), and with it apart.
+fn layer_cases_activation_backward(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    if !gate_up_fused_supported(&stream).map_err(e)? {
+        println!("SKIP fused activation backward: not an sm_90a device or build");
+        return cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused);
+    }
+    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Fused)?;
+    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused)
+}
+
+fn cases_on(
+    ctx: &Arc<CudaContext>,
+    path: GateUpPath,
+    backward: ActivationBackwardPath,
+) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     let seed = Rng::fresh_seed();
     for (n, case) in cases().iter().enumerate() {
-        check_case(&stream, case, seed.wrapping_add(n as u64), false, path)?;
-        println!("{} {path:?} ok", case.name);
+        check_case(
+            &stream,
+            case,
+            seed.wrapping_add(n as u64),
+            false,
+            path,
+            backward,
+        )?;
+        println!("{} {path:?} {backward:?} ok", case.name);
     }
     Ok(())
 }
@@ -384,6 +410,10 @@ fn main() {
     let suite = GpuSuite::new()
         .test("moe_layer_matches_reference", layer_cases)
         .test("moe_layer_unfused_matches_reference", layer_cases_unfused)
+        .test(
+            "moe_layer_activation_backward_paths_match_reference",
+            layer_cases_activation_backward,
+        )
         .test("moe_layer_graph_replay", graph_replay)
         .test("moe_layer_rejects_bad_input", rejects_bad_input)
         .test(

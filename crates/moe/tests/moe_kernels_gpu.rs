@@ -14,6 +14,8 @@ use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{check_close, to_f32, GpuSuite, Rng, BF16_REL_ERR, POISON_BF16};
 use std::sync::Arc;
 
+#[path = "moe_kernels_gpu/down_dgrad.rs"]
+mod down_dgrad;
 #[path = "moe_kernels_gpu/routed.rs"]
 mod routed;
 
@@ -906,5 +908,9 @@ fn main() {
             routed::routed_activation_backward,
         )
         .test("gather_rows_matches_reference", routed::gather_rows)
+        .test(
+            "fused_down_dgrad_matches_reference",
+            down_dgrad::fused_down_dgrad,
+        )
         .run();
 }

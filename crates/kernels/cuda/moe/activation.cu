@@ -19,6 +19,7 @@
 #include <cmath>
 
 #include "moefuse/moe/activation_math.cuh"
+#include "moefuse/moe/activation_pairs.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
 
@@ -35,121 +36,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 4096;
 
-// bf16 <-> fp32 through bits: a bf16 is the upper half of an fp32.
-__device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ uint32_t bf16_bits(float x) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b) { return bf16_bits(a) | (bf16_bits(b) << 16); }
-
-__device__ __forceinline__ void unpack8(uint4 q, float (&f)[8], int at) {
-  f[at + 0] = lo_bf16(q.x);
-  f[at + 1] = hi_bf16(q.x);
-  f[at + 2] = lo_bf16(q.y);
-  f[at + 3] = hi_bf16(q.y);
-  f[at + 4] = lo_bf16(q.z);
-  f[at + 5] = hi_bf16(q.z);
-  f[at + 6] = lo_bf16(q.w);
-  f[at + 7] = hi_bf16(q.w);
-}
-// Interleaved (g, u, g, u, ...) halves of 16 values.
-__device__ __forceinline__ void unpack8_pairs(uint4 q, float (&g)[8], float (&u)[8], int at) {
-  g[at + 0] = lo_bf16(q.x);
-  u[at + 0] = hi_bf16(q.x);
-  g[at + 1] = lo_bf16(q.y);
-  u[at + 1] = hi_bf16(q.y);
-  g[at + 2] = lo_bf16(q.z);
-  u[at + 2] = hi_bf16(q.z);
-  g[at + 3] = lo_bf16(q.w);
-  u[at + 3] = hi_bf16(q.w);
-}
-__device__ __forceinline__ uint4 pack8(const float (&f)[8], int at) {
-  return make_uint4(pack2(f[at + 0], f[at + 1]), pack2(f[at + 2], f[at + 3]),
-                    pack2(f[at + 4], f[at + 5]), pack2(f[at + 6], f[at + 7]));
-}
-__device__ __forceinline__ uint4 pack8_pairs(const float (&g)[8], const float (&u)[8], int at) {
-  return make_uint4(pack2(g[at + 0], u[at + 0]), pack2(g[at + 1], u[at + 1]),
-                    pack2(g[at + 2], u[at + 2]), pack2(g[at + 3], u[at + 3]));
-}
-
-using bf16 = __nv_bfloat16;
-
-struct Problem {
-  int act, layout, inter;
-  float alpha, limit;
-  bool gated;
-};
-
 __device__ __forceinline__ int rows_of(const int32_t* total_rows, int max_rows) {
   if (total_rows == nullptr) return max_rows;
   int r = *total_rows;
   return r < 0 ? 0 : (r > max_rows ? max_rows : r);
 }
 
-// Loads the V (g, u) pairs of output columns [j0, j0 + V) of `row` (u = 0 for RELU2).
-template <int V>
-__device__ __forceinline__ void load_pairs(const Problem& p, const bf16* row, int j0,
-                                           float (&g)[V], float (&u)[V]) {
-  if constexpr (V == 8) {
-    if (!p.gated) {
-      unpack8(*reinterpret_cast<const uint4*>(row + j0), g, 0);
-#pragma unroll
-      for (int v = 0; v < 8; ++v) u[v] = 0.f;
-    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
-      unpack8(*reinterpret_cast<const uint4*>(row + j0), g, 0);
-      unpack8(*reinterpret_cast<const uint4*>(row + p.inter + j0), u, 0);
-    } else {
-      const uint4* q = reinterpret_cast<const uint4*>(row + 2 * j0);
-      unpack8_pairs(q[0], g, u, 0);
-      unpack8_pairs(q[1], g, u, 4);
-    }
-  } else {
-    static_assert(V == 1, "V is 1 or 8");
-    if (!p.gated) {
-      g[0] = __bfloat162float(row[j0]);
-      u[0] = 0.f;
-    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
-      g[0] = __bfloat162float(row[j0]);
-      u[0] = __bfloat162float(row[p.inter + j0]);
-    } else {
-      g[0] = __bfloat162float(row[2 * j0]);
-      u[0] = __bfloat162float(row[2 * j0 + 1]);
-    }
-  }
-}
-
-// Stores V values of each of `dg`, `du` where their inputs sat (du ignored for RELU2).
-template <int V>
-__device__ __forceinline__ void store_pairs(const Problem& p, bf16* row, int j0,
-                                            const float (&dg)[V], const float (&du)[V]) {
-  if constexpr (V == 8) {
-    if (!p.gated) {
-      *reinterpret_cast<uint4*>(row + j0) = pack8(dg, 0);
-    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
-      *reinterpret_cast<uint4*>(row + j0) = pack8(dg, 0);
-      *reinterpret_cast<uint4*>(row + p.inter + j0) = pack8(du, 0);
-    } else {
-      uint4* q = reinterpret_cast<uint4*>(row + 2 * j0);
-      q[0] = pack8_pairs(dg, du, 0);
-      q[1] = pack8_pairs(dg, du, 4);
-    }
-  } else {
-    if (!p.gated) {
-      row[j0] = __float2bfloat16_rn(dg[0]);
-    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
-      row[j0] = __float2bfloat16_rn(dg[0]);
-      row[p.inter + j0] = __float2bfloat16_rn(du[0]);
-    } else {
-      row[2 * j0] = __float2bfloat16_rn(dg[0]);
-      row[2 * j0 + 1] = __float2bfloat16_rn(du[0]);
-    }
-  }
-}
-
 template <int V>
 __global__ void __launch_bounds__(kThreads)
-    activation_fwd_kernel(Problem p, int max_rows, const int32_t* total_rows,
+    activation_fwd_kernel(ActivationProblem p, int max_rows, const int32_t* total_rows,
                           const bf16* __restrict__ h_pre, bf16* __restrict__ h) {
   const int64_t rows = rows_of(total_rows, max_rows);
   const int64_t chunks = p.inter / V, width = p.gated ? 2 * int64_t(p.inter) : p.inter;
@@ -174,7 +69,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int V>
 __global__ void __launch_bounds__(kThreads)
-    activation_bwd_kernel(Problem p, int max_rows, const int32_t* total_rows,
+    activation_bwd_kernel(ActivationProblem p, int max_rows, const int32_t* total_rows,
                           const bf16* __restrict__ h_pre, const bf16* __restrict__ dh,
                           bf16* __restrict__ d_h_pre) {
   const int64_t rows = rows_of(total_rows, max_rows);
@@ -205,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Warp per row: d_h_pre = act'(h_pre) (w dh_u), d_weights[s] = <dh_u, h>, h_scaled = w h.
 __global__ void __launch_bounds__(kThreads)
-    activation_bwd_routed_kernel(Problem p, moefuse_activation_routed_args a) {
+    activation_bwd_routed_kernel(ActivationProblem p, moefuse_activation_routed_args a) {
   const int lane = threadIdx.x & 31;
   // A permutation of another call (its tokens stamp disagrees): nothing is written.
   if (a.expect_tokens != nullptr && int64_t(*a.expect_tokens) * a.top_k != a.slots) {
@@ -233,16 +128,8 @@ __global__ void __launch_bounds__(kThreads)
       float g[8], u[8], d[8], dg[8], du[8], hw[8];
       load_pairs<8>(p, h_pre + r * width, j0, g, u);
       unpack8(*reinterpret_cast<const uint4*>(dh + r * p.inter + j0), d, 0);
-#pragma unroll
-      for (int v = 0; v < 8; ++v) {
-        const Point pt = eval(p.act, p.alpha, p.limit, g[v], u[v]);
-        // h as the forward stored it (bf16), then the two products.
-        const float h = __bfloat162float(__float2bfloat16_rn(pt.h));
-        dot += d[v] * h;
-        hw[v] = w * h;
-        dg[v] = w * d[v] * pt.dg;
-        du[v] = w * d[v] * pt.du;
-      }
+      routed_backward8([&](float gv, float uv) { return eval(p.act, p.alpha, p.limit, gv, uv); }, w, d, g, u, dg,
+                       du, hw, dot);
       store_pairs<8>(p, d_h_pre + r * width, j0, dg, du);
       *reinterpret_cast<uint4*>(h_scaled + r * p.inter + j0) = pack8(hw, 0);
     }
@@ -278,8 +165,8 @@ moefuse_status check(const moefuse_activation_args* a, const char* name, bool ba
   return MOEFUSE_STATUS_OK;
 }
 
-Problem problem_of(const moefuse_activation_args& a) {
-  return Problem{a.activation, a.layout, a.intermediate, a.alpha, a.limit,
+ActivationProblem problem_of(const moefuse_activation_args& a) {
+  return ActivationProblem{a.activation, a.layout, a.intermediate, a.alpha, a.limit,
                  a.activation != MOEFUSE_ACTIVATION_RELU2};
 }
 
@@ -299,7 +186,7 @@ extern "C" moefuse_status moefuse_moe_activation_fwd(const moefuse_activation_ar
   moefuse_status st = check(a, name, false);
   if (st != MOEFUSE_STATUS_OK) return st;
   if (a->max_rows == 0) return MOEFUSE_STATUS_OK;
-  const Problem p = problem_of(*a);
+  const ActivationProblem p = problem_of(*a);
   auto s = static_cast<cudaStream_t>(stream);
   const auto* in = static_cast<const __nv_bfloat16*>(a->h_pre);
   auto* out = static_cast<__nv_bfloat16*>(a->out);
@@ -319,7 +206,7 @@ extern "C" moefuse_status moefuse_moe_activation_bwd(const moefuse_activation_ar
   moefuse_status st = check(a, name, true);
   if (st != MOEFUSE_STATUS_OK) return st;
   if (a->max_rows == 0) return MOEFUSE_STATUS_OK;
-  const Problem p = problem_of(*a);
+  const ActivationProblem p = problem_of(*a);
   auto s = static_cast<cudaStream_t>(stream);
   const auto* in = static_cast<const __nv_bfloat16*>(a->h_pre);
   const auto* dh = static_cast<const __nv_bfloat16*>(a->dh);
@@ -352,7 +239,7 @@ extern "C" moefuse_status moefuse_moe_activation_bwd_routed(const moefuse_activa
   if (!aligned16(a->act.h_pre) || !aligned16(a->act.dh) || !aligned16(a->act.out) || !aligned16(a->h_scaled)) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: bf16 buffers must be 16-byte aligned", name);
   }
-  const Problem p = problem_of(a->act);
+  const ActivationProblem p = problem_of(a->act);
   const int warps_per_block = kThreads / 32;
   const int64_t blocks = (int64_t(a->act.max_rows) + warps_per_block - 1) / warps_per_block;
   activation_bwd_routed_kernel<<<int(blocks < kMaxBlocks ? blocks : kMaxBlocks), kThreads, 0,

@@ -114,6 +114,35 @@ fn tile_order_override() -> Option<u32> {
     })
 }
 
+/// Smallest `hidden` (the down dgrad's K) from which a Training layer runs the routed
+/// activation backward in the down dgrad's epilogue (`moefuse_moe_down_dgrad_fused`, sm_90a)
+/// by default. The fused epilogue runs after each tile's mainloop on the same warps, so it
+/// pays off where the mainloop is long. Measured (H100, 2026-12-06, `bench_moe --profile`,
+/// T = 8192, backward medians, fused vs the two kernels): Qwen3-30B-A3B (D = 2048) 2831–2867
+/// vs 2753–2782 µs (slower: the dgrad stage 766–781 vs 641–651), GPT-OSS-120B (D = 2880)
+/// 11418 vs 11522, DeepSeek-V3 (D = 7168) 35660 vs 37541 (the stage 5571 vs 7767),
+/// Mixtral-8x7B (D = 4096) 22252 vs 21980 µs with IQRs of 1.8 ms (the stage 4841 vs
+/// 5036). `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` overrides the rule (read at layer creation).
+///
+/// ```
+/// use moefuse::{gpu::fused_activation_backward_preferred, MoeConfig};
+/// assert!(!fused_activation_backward_preferred(&MoeConfig::new(2048, 768, 128, 8)));
+/// assert!(fused_activation_backward_preferred(&MoeConfig::new(7168, 2048, 256, 8)));
+/// ```
+pub const FUSED_ACTIVATION_BWD_MIN_HIDDEN: usize = 4096;
+
+/// Whether the fused down dgrad (routed activation backward in its epilogue) is the faster
+/// backward for `cfg` (`hidden >= `[`FUSED_ACTIVATION_BWD_MIN_HIDDEN`]); whether the device
+/// runs it is [`gate_up_fused_supported`] (the same sm_90a build).
+///
+/// ```
+/// use moefuse::{gpu::fused_activation_backward_preferred, MoeConfig};
+/// assert!(fused_activation_backward_preferred(&MoeConfig::new(4096, 14336, 8, 2)));
+/// ```
+pub fn fused_activation_backward_preferred(cfg: &crate::MoeConfig) -> bool {
+    cfg.hidden >= FUSED_ACTIVATION_BWD_MIN_HIDDEN
+}
+
 pub(super) fn supported_by(kernels: &Kernels) -> bool {
     kernels.arch() == VariantArch::Sm90a && mk::built_archs().contains(&VariantArch::Sm90a.name())
 }

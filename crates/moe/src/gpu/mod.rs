@@ -66,13 +66,14 @@ pub use decode::{
 };
 pub use errors::DeviceErrors;
 pub use fused::{
-    gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, GateUpInputs, GateUpRows,
-    PeerRows, FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
+    fused_activation_backward_preferred, gate_up_fused, gate_up_fused_preferred,
+    gate_up_fused_supported, GateUpInputs, GateUpRows, PeerRows, FUSED_ACTIVATION_BWD_MIN_HIDDEN,
+    FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
     FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT,
 };
 pub use layer::{
-    DecodePath, DeviceWeights, GateUpPath, Gradients, LayerMemory, Mode, MoeLayer, MoePlan,
-    MoeWorkspace, Routing, Weights,
+    ActivationBackwardPath, DecodePath, DeviceWeights, GateUpPath, Gradients, LayerMemory, Mode,
+    MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
 };
 pub use permute::{combine, combine_backward, permute};
 pub use router::{route, route_backward};

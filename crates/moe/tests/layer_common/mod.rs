@@ -6,7 +6,8 @@
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{
-    DecodePath, DeviceWeights, GateUpPath, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing,
+    ActivationBackwardPath, DecodePath, DeviceWeights, GateUpPath, Mode, MoeLayer, MoePlan,
+    MoeWorkspace, Routing,
 };
 use moefuse::model::MoeWeights;
 use moefuse::reference::RoutingInput;
@@ -321,6 +322,7 @@ pub fn check_case(
     seed: u64,
     decode: bool,
     gate_up: GateUpPath,
+    activation_backward: ActivationBackwardPath,
 ) -> Result<(), String> {
     let cfg = case.cfg;
     let (t, d, ex, k) = (case.tokens, cfg.hidden, cfg.experts, cfg.top_k);
@@ -347,6 +349,9 @@ pub fn check_case(
         DecodePath::Never
     });
     layer.set_gate_up_path(gate_up).map_err(e)?;
+    layer
+        .set_activation_backward_path(activation_backward)
+        .map_err(e)?;
     let wv = dw.view();
     let x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;

@@ -192,6 +192,58 @@ typedef struct moefuse_down_scatter_args {
 moefuse_status moefuse_moe_down_scatter(const moefuse_down_scatter_args* args, void* stream);
 
 /*
+ * Down dgrad with the routed activation backward (sm_90a; moe/down_dgrad_fused.cu:
+ * kernel/sm90_contiguous_grouped.cuh gathering dy by source_of, with the epilogue of
+ * epilogue/activation_backward_rows.cuh): for every expert-major row r of expert e (rows
+ * offsets[e-1]..offsets[e]-1, offsets read on the device and clamped to tokens*top_k), with
+ * s = source_of[r] (its slot t*top_k + j) and w = weights[s]:
+ *   dh_u[r, :]     = dy[t, :] · W_e          (W_e = w[e] as [hidden, intermediate]; bf16, not stored)
+ *   h[r, i]        = bf16(act(h_pre[r, gate i], h_pre[r, up i]))   (as the forward stored it)
+ *   d_h_pre[r]     = d act / d h_pre applied to w * dh_u[r]         [rows, W] bf16, h_pre's layout
+ *   h_scaled[r, i] = bf16(w * h[r, i])                              [rows, I] (the down wgrad's operand)
+ *   d_weights[s]   = sum_i dh_u[r, i] * h[r, i]
+ * the last in fp32 and a fixed order: per block of MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK columns
+ * into partials[r, block] (the epilogue), then the blocks in order (a second kernel). The
+ * formulas are moefuse_moe_activation_bwd_routed's over the dgrad's bf16 output.
+ * d_weights of slots no row names are left as they are (the caller zeroes it). A source_of
+ * entry outside 0..tokens*top_k-1 zero-fills its row of dy, leaves its d_weights untouched
+ * and raises MOEFUSE_MOE_ERROR_SOURCE. With expect_tokens (the permutation's tokens stamp),
+ * a stamp other than tokens raises MOEFUSE_MOE_ERROR_STALE and d_weights is not written
+ * (d_h_pre and h_scaled are, from the rows as they stand). Needs hidden % 8 == 0,
+ * intermediate % 8 == 0, 16-byte aligned dy, w, h_pre, d_h_pre, h_scaled, 1 <= experts <=
+ * 512. Another device than compute capability 9.0 returns MOEFUSE_STATUS_ARCH_MISMATCH (the
+ * unfused stages then run).
+ */
+#define MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK 256
+
+typedef struct moefuse_down_dgrad_args {
+  int32_t tokens;
+  int32_t top_k;
+  int32_t hidden;                /* K */
+  int32_t intermediate;          /* N */
+  int32_t experts;
+  int32_t activation;            /* MOEFUSE_ACTIVATION_* */
+  int32_t layout;                /* MOEFUSE_GATE_UP_SPLIT or _INTERLEAVED (h_pre, d_h_pre) */
+  int32_t tile_order;            /* 0: default; else as moefuse_grouped_gemm_args.tile_order (contiguous fields) */
+  float alpha;                   /* SWIGLU_OAI's alpha */
+  float limit;                   /* the clamped activations' limit */
+  const int32_t* offsets;        /* [experts] prefix-sum ends */
+  const int32_t* source_of;      /* [tokens*top_k] t*top_k + j of each row */
+  const float* weights;          /* [tokens*top_k] routing weights by slot */
+  const uint16_t* dy;            /* [tokens, hidden] bf16 */
+  const uint16_t* w;             /* [experts, hidden, intermediate] bf16 */
+  const uint16_t* h_pre;         /* [tokens*top_k, W] bf16 */
+  uint16_t* d_h_pre;             /* [tokens*top_k, W] bf16 out */
+  uint16_t* h_scaled;            /* [tokens*top_k, intermediate] bf16 out */
+  float* partials;               /* [tokens*top_k, ceil(intermediate / MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK)] scratch */
+  float* d_weights;              /* [tokens*top_k] out */
+  uint32_t* errors;              /* [1]: error bits, or NULL */
+  const uint32_t* expect_tokens; /* [1]: the permutation's tokens stamp, or NULL (no check) */
+} moefuse_down_dgrad_args;
+
+moefuse_status moefuse_moe_down_dgrad_fused(const moefuse_down_dgrad_args* args, void* stream);
+
+/*
  * Row kernels for carrying one fp32 value per routed (token, slot) through an exchange
  * that sums rows (moe/rows.cu):
  * scatter_columns: for r < min(*count, rows) (all rows when count is NULL):

@@ -26,19 +26,23 @@
 //! with the gather, then `decode (gate_up+down)`: stages 3–6 as two kernels that read each
 //! touched expert's weights once ([`decode_forward`](crate::gpu::decode_forward)).
 //!
-//! Backward stages: `combine bwd` gives `dy_perm = w · dy[t]` and
-//! `d_topk_weights = ⟨dy[t], y_e[row]⟩`; `down dgrad` (`dh`), `down wgrad` (`d_down`);
-//! `activation bwd` recomputes the activation from the saved `h_pre`; `gate_up dgrad`
-//! (`dx_perm`) and `gate_up wgrad` (`d_gate_up`); `dx combine` is the unweighted combine of
-//! `dx_perm`; with our router, `router bwd` gives `d_logits`.
+//! Backward stages (`dy` read by token through `source_of`; `x regather` and `dy gather`
+//! copy the rows only where the GEMMs cannot gather them, off sm_90a): `down dgrad`
+//! (`dh_u = dy[t] · D_e`, unweighted) and `activation bwd (routed)` (from the saved `h_pre`:
+//! `d_h_pre` of `w · dh_u`, `h_scaled = w · h`, `d_topk_weights = ⟨dh_u, h⟩`), on sm_90a one
+//! kernel, `down dgrad+activation bwd (fused)`, whose epilogue does the second on the
+//! first's tile so `dh_u` is never written; `down wgrad` (`d_down` from `dy` and
+//! `h_scaled`); `gate_up dgrad` (`dx_perm`) and `gate_up wgrad` (`d_gate_up`); `dx combine`
+//! sums `dx_perm` per token in a fixed order; with our router, `router bwd` gives
+//! `d_logits`.
 //!
 //! Modes ([`LayerMemory`] has the table and the bytes): an Inference layer keeps no
 //! backward state — its forward's `x_perm`, `h_pre`, `h`, `y_e` live in the workspace
 //! (`x_perm`/`h` and `h_pre`/`y_e` share a region each), the caller's device routing is
 //! read in place, and `backward` returns [`MoeError::NotTraining`]. A Training layer keeps
-//! those four intermediates, the routing and (when it routed) the logits; its backward's
-//! scratch lives in the workspace. Both modes run the same kernels on the same values: an
-//! Inference forward's `y` equals a Training forward's bit for bit.
+//! a copy of `x`, `h_pre`, the routing and (when it routed) the logits; everything else,
+//! and its backward's scratch, lives in the workspace. Both modes run the same kernels on
+//! the same values: an Inference forward's `y` equals a Training forward's bit for bit.
 //!
 //! Nothing synchronises with the host: the whole forward and the whole backward can be
 //! captured in one CUDA graph each and replayed with new inputs, routing and weights in
@@ -71,6 +75,7 @@ macro_rules! cx {
     };
 }
 
+mod backward_path;
 mod passes;
 mod plan;
 mod profile;
@@ -78,6 +83,7 @@ mod stages;
 mod weights;
 mod workspace;
 
+pub use backward_path::ActivationBackwardPath;
 pub use plan::{LayerMemory, Mode, MoePlan};
 pub use weights::{DeviceWeights, Weights};
 pub use workspace::MoeWorkspace;
@@ -193,6 +199,13 @@ struct BackwardPlans {
     /// The down dgrad and wgrad read `dy`'s token rows through `source_of` (contiguous
     /// variants gather A in their producers) instead of a gathered `dy_perm`.
     gather_dy: bool,
+    /// The routed activation backward can run in the down dgrad's epilogue (sm_90a, with
+    /// `gather_dy`), so `dh_u` is never written; whether it does is
+    /// [`MoeLayer::activation_backward_path`]'s.
+    fusable_activation_backward: bool,
+    /// `MOEFUSE_FUSED_ACTIVATION_BWD=on|off`: [`ActivationBackwardPath::Auto`] fused or not
+    /// whatever the rule says (A/B in `bench_moe --profile`).
+    forced_activation_backward: Option<bool>,
 }
 
 impl GemmPlans {
@@ -225,10 +238,20 @@ impl GemmPlans {
                 let on = env("MOEFUSE_BACKWARD_GATHER").is_none_or(|v| v != "off");
                 let x_on = on && env("MOEFUSE_GATHER_X").is_none_or(|v| v != "off");
                 let gather_dy = on && contiguous(&[&down_dgrad, &down_wgrad[0], &down_wgrad[1]]);
+                let fusable_activation_backward =
+                    gather_dy && crate::gpu::fused::supported_by(gemm.kernels());
+                let forced_activation_backward =
+                    match env("MOEFUSE_FUSED_ACTIVATION_BWD").as_deref() {
+                        Some("on") => Some(true),
+                        Some("off") => Some(false),
+                        _ => None,
+                    };
                 Some(BackwardPlans {
                     gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,
                     gather_x: x_on && contiguous(&[&gate_up_wgrad[0], &gate_up_wgrad[1]]),
                     gather_dy,
+                    fusable_activation_backward,
+                    forced_activation_backward,
                     down_dgrad,
                     down_wgrad,
                     gate_up_wgrad,
@@ -268,6 +291,9 @@ struct RoutingState {
     ids: CudaSlice<i32>,
     weights: CudaSlice<f32>,
     perm: PermuteBuffers,
+    /// Training: `[R, ceil(I / 256)]` fp32, the fused down dgrad's per-block partials of
+    /// `d_topk_weights`.
+    dtw_partials: Option<CudaSlice<f32>>,
 }
 
 /// What a Training forward keeps for the backward (the backward recomputes `x_perm`
@@ -332,6 +358,8 @@ pub struct MoeLayer {
     profile: Profile,
     /// How the forward runs the gate_up GEMM and the activation.
     gate_up_path: GateUpPath,
+    /// Where backwards run the routed activation backward.
+    activation_backward_path: ActivationBackwardPath,
     /// When forwards run the decode kernels.
     decode_path: DecodePath,
 }
@@ -359,6 +387,10 @@ impl MoeLayer {
             ids: stream.alloc_zeros(plan.rows())?,
             weights: stream.alloc_zeros(plan.rows())?,
             perm: PermuteBuffers::new(stream, max_t, e, k)?,
+            dtw_partials: match mode {
+                Mode::Inference => None,
+                Mode::Training => Some(stream.alloc_zeros(plan.dtw_partials_len())?),
+            },
         };
         let saved = match mode {
             Mode::Inference => None,
@@ -389,6 +421,7 @@ impl MoeLayer {
             last: None,
             profile: Profile::default(),
             gate_up_path: GateUpPath::Auto,
+            activation_backward_path: ActivationBackwardPath::Auto,
             decode_path: DecodePath::Auto,
         })
     }
@@ -560,7 +593,11 @@ impl MoeLayer {
             mode: self.mode,
             activations,
             logits,
-            routing: r.ids.len() * 4 + r.weights.len() * 4 + r.perm.device_bytes() + identity,
+            routing: r.ids.len() * 4
+                + r.weights.len() * 4
+                + r.perm.device_bytes()
+                + identity
+                + r.dtw_partials.as_ref().map_or(0, |p| p.len() * 4),
             gemm_workspace: self.gemm_ws.len(),
         }
     }

@@ -62,6 +62,7 @@ impl MoeLayer {
             ids,
             weights: wts,
             perm,
+            ..
         } = &mut self.routing;
         // Training keeps h_pre in the layer (and a copy of x); everything else is scratch.
         let (mut acts, logits, saved_x) = match &mut self.saved {
@@ -144,6 +145,7 @@ impl MoeLayer {
             ids,
             weights: wts,
             perm,
+            ..
         } = &mut self.routing;
         let (mut saved, logits) = match &mut self.saved {
             Some(Saved {
@@ -227,6 +229,7 @@ impl MoeLayer {
         X: DevicePtrMut<bf16>,
     {
         let last = self.check_backward(weights, dy, &*dx, grads, workspace)?;
+        let fused = self.fuses_activation_backward();
         let (t, w, acc) = (last.tokens, weights, usize::from(accumulate));
         let (cx, p, gws) = (cx!(self), &mut self.profile, &mut self.gemm_ws);
         let (Some(g), Some(sv)) = (&self.gemms.backward, &self.saved) else {
@@ -236,6 +239,7 @@ impl MoeLayer {
             ids,
             weights: wts,
             perm,
+            dtw_partials,
         } = &mut self.routing;
         let (k, s) = (self.plan.config().top_k, cx.stream);
         let layout = self.plan.backward_layout();
@@ -253,19 +257,31 @@ impl MoeLayer {
                 let gather = cx.gather_rows(t, k, row_of, dy, &mut dy_perm, &mut perm.errors, true);
                 p.stage(s, "dy gather", gather)?;
             }
-            let (dy_perm, mut dh) = sc.io(DY_PERM, DH);
-            let (off, src, plan) = (&perm.offsets, &perm.source_of, &g.down_dgrad);
-            let dgrad = if g.gather_dy {
-                cx.gemm_gathered(plan, off, dy, &w.down, A, src, t, &mut dh, gws)
-            } else {
-                cx.gemm(plan, off, &dy_perm, &w.down, &mut dh, gws)
-            };
-            p.stage(s, "down dgrad", dgrad)?;
-            let (dh, [mut d_h_pre, mut h_scaled]) = sc.read_write2(DH, [D_H_PRE, H_SCALED]);
-            let dtw = &mut grads.d_topk_weights;
-            let (hp, hs) = (&sv.h_pre, &mut h_scaled);
-            let act = cx.activation_backward_routed(perm, t, hp, wts, &dh, &mut d_h_pre, hs, dtw);
-            p.stage(s, "activation bwd (routed)", act)?;
+            match dtw_partials {
+                Some(partials) if fused => {
+                    let (mut d_h_pre, mut h_scaled) = sc.pair_mut(D_H_PRE, H_SCALED);
+                    let (dtw, hp, wd) = (&mut grads.d_topk_weights, &sv.h_pre, &w.down);
+                    let (dh_pre, hs) = (&mut d_h_pre, &mut h_scaled);
+                    let f =
+                        cx.down_dgrad_fused(perm, t, dy, wd, hp, wts, dh_pre, hs, partials, dtw);
+                    p.stage(s, "down dgrad+activation bwd (fused)", f)?;
+                }
+                _ => {
+                    let (dy_perm, mut dh) = sc.io(DY_PERM, DH);
+                    let (off, src, plan) = (&perm.offsets, &perm.source_of, &g.down_dgrad);
+                    let dgrad = if g.gather_dy {
+                        cx.gemm_gathered(plan, off, dy, &w.down, A, src, t, &mut dh, gws)
+                    } else {
+                        cx.gemm(plan, off, &dy_perm, &w.down, &mut dh, gws)
+                    };
+                    p.stage(s, "down dgrad", dgrad)?;
+                    let (dh, [mut d_h_pre, mut h_scaled]) = sc.read_write2(DH, [D_H_PRE, H_SCALED]);
+                    let (dtw, hp, hs) = (&mut grads.d_topk_weights, &sv.h_pre, &mut h_scaled);
+                    let act =
+                        cx.activation_backward_routed(perm, t, hp, wts, &dh, &mut d_h_pre, hs, dtw);
+                    p.stage(s, "activation bwd (routed)", act)?;
+                }
+            }
             let (off, src) = (&perm.offsets, &perm.source_of);
             let (dy_perm, h_scaled) = (sc.get(DY_PERM), sc.get(H_SCALED));
             let (d_down, d_gate_up) = (&mut grads.d_down, &mut grads.d_gate_up);

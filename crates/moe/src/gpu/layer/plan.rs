@@ -316,7 +316,13 @@ impl MoePlan {
         // error word and stamp (2 u32); the permutation's scratch; in Training the
         // identity rows that save x ([T_max] i32).
         let identity = if training { self.max_tokens * 4 } else { 0 };
-        let routing = 4 * r * 4 + 2 * e * 4 + 8 + self.permute_words * 4 + identity;
+        // Training: the fused down dgrad's d_topk_weights partials.
+        let partials = if training {
+            self.dtw_partials_len() * 4
+        } else {
+            0
+        };
+        let routing = 4 * r * 4 + 2 * e * 4 + 8 + self.permute_words * 4 + identity + partials;
         LayerMemory {
             mode,
             activations,
@@ -324,6 +330,16 @@ impl MoePlan {
             routing,
             gemm_workspace: 0,
         }
+    }
+
+    /// fp32 elements of the fused down dgrad's `d_topk_weights` partials: one per routed
+    /// row and 256-column block of `I` (`moefuse_kernels::DOWN_DGRAD_COLUMN_BLOCK`).
+    pub(super) fn dtw_partials_len(&self) -> usize {
+        self.rows
+            * self
+                .cfg
+                .intermediate
+                .div_ceil(moefuse_kernels::DOWN_DGRAD_COLUMN_BLOCK)
     }
 
     /// The element counts of what Training saves: `x [T_max, D]`, `h_pre [R, W]`.
@@ -438,9 +454,10 @@ mod tests {
         assert_eq!(train.activations, 224 * MIB);
         assert_eq!(train.logits, 4 * MIB);
         // ids, weights, row_of, source_of: 4 × 256 KiB; counts, offsets: 1 KiB; 8 bytes;
-        // permute scratch: 32 chunks × 128 experts × 4 bytes; identity rows: 32 KiB.
+        // permute scratch: 32 chunks × 128 experts × 4 bytes; in Training the identity rows
+        // (32 KiB) and the d_topk_weights partials (R × 3 blocks of 256 columns, fp32).
         let routing = 4 * r * 4 + 1024 + 8 + 32 * 128 * 4;
-        assert_eq!(train.routing, routing + 8192 * 4);
+        assert_eq!(train.routing, routing + 8192 * 4 + r * 3 * 4);
         assert_eq!(train.saved_for_backward(), 228 * MIB + train.routing);
         assert!(
             train.saved_for_backward() <= 260_000_000,
@@ -456,7 +473,7 @@ mod tests {
         assert_eq!(plan.workspace_bytes(Mode::Inference), 512 * MIB);
         assert_eq!(plan.workspace_bytes(Mode::Training), 896 * MIB);
         let text = train.to_string();
-        assert!(text.starts_with("training: 229.0 MiB saved"), "{text}");
+        assert!(text.starts_with("training: 229.8 MiB saved"), "{text}");
     }
 
     #[test]

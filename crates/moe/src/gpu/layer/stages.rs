@@ -411,6 +411,60 @@ impl Cx<'_> {
         Ok(())
     }
 
+    /// The down dgrad with the routed activation backward in its epilogue (sm_90a): from
+    /// `dy`'s token rows (gathered by `source_of`) and the down weights, `d_h_pre`,
+    /// `h_scaled` and `d_topk_weights` as [`Cx::activation_backward_routed`] gives them from
+    /// the unfused dgrad's `dh_u`, which is never written. `partials` (`[R,
+    /// ceil(I / 256)]` fp32) is the kernel's scratch. `d_topk_weights` is zeroed first, and
+    /// the tokens stamp is checked as there.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn down_dgrad_fused(
+        &self,
+        perm: &mut PermuteBuffers,
+        t: usize,
+        dy: &dyn DevicePtr<bf16>,
+        down: &dyn DevicePtr<bf16>,
+        h_pre: &dyn DevicePtr<bf16>,
+        weights: &CudaSlice<f32>,
+        d_h_pre: &mut dyn DevicePtrMut<bf16>,
+        h_scaled: &mut dyn DevicePtrMut<bf16>,
+        partials: &mut CudaSlice<f32>,
+        d_topk_weights: &mut CudaSlice<f32>,
+    ) -> Result<(), MoeError> {
+        let c = self.plan.config();
+        let slots = t * c.top_k;
+        let (kind, layout) = self.act.kernel_kind();
+        let mut d_weights = d_topk_weights.slice_mut(..slots);
+        self.stream.memset_zeros(&mut d_weights)?;
+        let (mut bits, tokens_stamp) = perm.errors.words.split_at_mut(1);
+        self.gemm.kernels().launch(
+            self.stream,
+            mk::DownDgradFused {
+                tokens: t,
+                top_k: c.top_k,
+                hidden: c.hidden,
+                intermediate: c.intermediate,
+                experts: c.experts,
+                kind,
+                layout,
+                tile_order: 0,
+                offsets: &perm.offsets,
+                source_of: &perm.source_of,
+                weights,
+                dy,
+                w: down,
+                h_pre,
+                d_h_pre,
+                h_scaled,
+                partials,
+                d_weights: &mut d_weights,
+                errors: Some(&mut bits),
+                expect_tokens: Some(&tokens_stamp),
+            },
+        )?;
+        Ok(())
+    }
+
     /// `d_logits` from `d_topk_weights` through the router (the selection held constant).
     pub(super) fn route_backward(
         &self,

@@ -35,6 +35,15 @@ struct RowsScattered {
   }
 };
 
+// The plain store (the contiguous kernel's default Fusion_): nothing fused, nothing read
+// before the mainloop; the kernel stores D with store_masked_rows.
+struct NoFusion {
+  static constexpr bool kFused = false;
+  struct Params {};
+  struct RowState {};
+  CUTE_DEVICE static RowState prepare(Params const&, int, int, int, int) { return {}; }
+};
+
 // Shared memory of one consumer warp group: a 64 x 64 bf16 slab, rows padded to 72.
 struct MaskedRowsStorage {
   static constexpr int kRows = 64;

@@ -20,7 +20,7 @@
 //
 // Composition: mainloop = CUTLASS's sm90 TMA/GMMA collective (load/load_tail,
 // mma/mma_tail), tile order = sched::ContiguousGroupScheduler, store =
-// epilogue::store_masked_rows. A tile's A box may run past its group's rows into the
+// epilogue::store_masked_rows or a fused epilogue (Fusion_). A tile's A box may run past its group's rows into the
 // next group's (loaded, multiplied, never stored).
 #pragma once
 
@@ -35,7 +35,10 @@ namespace moefuse::kernel {
 
 // RowAt_: where the epilogue stores each row (epilogue::RowsInOrder: D; RowsScattered: a
 // per-row address table, the expert-parallel down GEMM's combine into the home ranks).
-template <class Mainloop_, int kMaxGroups_, class RowAt_ = epilogue::RowsInOrder>
+// Fusion_: what the epilogue does with the tile instead of storing it (epilogue::NoFusion:
+// store D through RowAt_; ActivationBackwardRows: the down dgrad's routed activation
+// backward), with its own Params and a per-tile RowState read before the tile's mainloop.
+template <class Mainloop_, int kMaxGroups_, class RowAt_ = epilogue::RowsInOrder, class Fusion_ = epilogue::NoFusion>
 struct Sm90ContiguousGrouped {
   using Mainloop = Mainloop_;
   using TileShape = typename Mainloop::TileShape;
@@ -103,6 +106,7 @@ struct Sm90ContiguousGrouped {
     int a_rows_div;
     int a_source_rows;
     RowAt_ row_at;  // where each row of D is stored (empty for RowsInOrder)
+    typename Fusion_::Params fusion;  // the fused epilogue's operands (empty for NoFusion)
   };
 
   enum class Role { Producer, Idle, Consumer };
@@ -277,8 +281,22 @@ struct Sm90ContiguousGrouped {
       while (scheduler.next(tile)) {
         auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA,MMA_M,MMA_N)
         if (tile.rows > wg_row0) {
+          // Loads issued now, consumed after the mainloop (the fused epilogue's row data).
+          const auto row_state = Fusion_::prepare(p.fusion, tile.row0, tile.rows, wg_row0, mma_thread_idx % 128);
           mainloop.mma(pipeline, read, acc, k_tiles, mma_thread_idx, shared.tensors, p.mainloop);
           mainloop.mma_tail(pipeline, read, k_tiles);
+          read.advance(k_tiles);
+          const int col0 = tile.n_block * kTileN;
+          const int cols = min(kTileN, p.n - col0);
+          const uint32_t barrier = kEpilogueBarrier + wg_row0 / 64;
+          if constexpr (Fusion_::kFused) {
+            Fusion_::template store<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue, barrier,
+                                               p.fusion, tile.row0, tile.rows, col0, cols, tile.n_block, row_state);
+          } else {
+            epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue, barrier,
+                                                   p.d, int64_t(p.n), tile.row0, tile.rows, col0, cols, p.alpha,
+                                                   p.beta, p.row_at);
+          }
         } else {
           // NOTES: a group's last tile with <= 64 rows: the warp group of rows 64-127 has
           // nothing to store, so it skips its WGMMAs and the other one runs at the full
@@ -286,13 +304,7 @@ struct Sm90ContiguousGrouped {
           // still waits and releases every stage, in step, so the barrier phases stay exact.
           moefuse::drain_stages(pipeline, read, k_tiles);
           read.advance(k_tiles);
-          continue;
         }
-        read.advance(k_tiles);
-        const int col0 = tile.n_block * kTileN;
-        epilogue::store_masked_rows<TileShape>(acc, tiled_mma, mma_thread_idx, wg_row0, shared.epilogue,
-                                               kEpilogueBarrier + wg_row0 / 64, p.d, int64_t(p.n), tile.row0,
-                                               tile.rows, col0, min(kTileN, p.n - col0), p.alpha, p.beta, p.row_at);
       }
     }
 #else

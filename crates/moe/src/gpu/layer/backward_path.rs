@@ -1,0 +1,93 @@
+//! [`ActivationBackwardPath`]: whether a Training layer's backward runs the routed
+//! activation backward in the down dgrad's epilogue (one kernel, sm_90a) or as a kernel of
+//! its own after the dgrad.
+
+use super::MoeLayer;
+use crate::MoeError;
+
+/// Where [`MoeLayer::backward`] runs the routed activation backward (`d_h_pre`, `h_scaled`,
+/// `d_topk_weights` from the down dgrad's `dh_u` and the saved `h_pre`).
+///
+/// ```
+/// use moefuse::gpu::ActivationBackwardPath;
+/// assert_eq!(ActivationBackwardPath::default(), ActivationBackwardPath::Auto);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationBackwardPath {
+    /// [`ActivationBackwardPath::Fused`] where the device runs it and
+    /// [`fused_activation_backward_preferred`](crate::gpu::fused_activation_backward_preferred)
+    /// holds (or `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` says, read at layer creation), else
+    /// [`ActivationBackwardPath::Unfused`].
+    #[default]
+    Auto,
+    /// The down dgrad writes `dh_u`, then the routed activation backward reads it.
+    Unfused,
+    /// One kernel (sm_90a, with the dgrad gathering `dy`): the down dgrad's epilogue runs the
+    /// routed activation backward on its tile; `dh_u` is never written.
+    Fused,
+}
+
+impl MoeLayer {
+    /// Where backwards run the routed activation backward ([`ActivationBackwardPath::Auto`]
+    /// by default).
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Training)?;
+    /// println!("activation backward: {:?}", layer.activation_backward_path());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn activation_backward_path(&self) -> ActivationBackwardPath {
+        self.activation_backward_path
+    }
+
+    /// Chooses where backwards run the routed activation backward.
+    /// [`ActivationBackwardPath::Fused`] on an Inference layer is [`MoeError::NotTraining`],
+    /// and where the device or the chosen GEMM variants cannot run it
+    /// [`MoeError::Unsupported`].
+    ///
+    /// ```no_run
+    /// # use moefuse::{gpu::{ActivationBackwardPath, Mode, MoeLayer, MoePlan}, MoeConfig};
+    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
+    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Training)?;
+    /// layer.set_activation_backward_path(ActivationBackwardPath::Unfused)?;
+    /// assert_eq!(layer.activation_backward_path(), ActivationBackwardPath::Unfused);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_activation_backward_path(
+        &mut self,
+        path: ActivationBackwardPath,
+    ) -> Result<(), MoeError> {
+        if path == ActivationBackwardPath::Fused {
+            let Some(b) = &self.gemms.backward else {
+                return Err(MoeError::NotTraining { mode: self.mode });
+            };
+            if !b.fusable_activation_backward {
+                return Err(MoeError::Unsupported {
+                    what: "the fused activation backward needs an sm_90a device, a build with \
+                           sm_90a kernels and the down dgrad gathering dy",
+                });
+            }
+        }
+        self.activation_backward_path = path;
+        Ok(())
+    }
+
+    /// Whether this backward runs the fused kernel.
+    pub(super) fn fuses_activation_backward(&self) -> bool {
+        let Some(b) = &self.gemms.backward else {
+            return false;
+        };
+        b.fusable_activation_backward
+            && match self.activation_backward_path {
+                ActivationBackwardPath::Fused => true,
+                ActivationBackwardPath::Unfused => false,
+                ActivationBackwardPath::Auto => b.forced_activation_backward.unwrap_or_else(|| {
+                    crate::gpu::fused_activation_backward_preferred(self.plan.config())
+                }),
+            }
+    }
+}
