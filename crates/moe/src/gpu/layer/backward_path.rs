@@ -22,8 +22,8 @@ pub enum ActivationBackwardPath {
     Auto,
     /// The down dgrad writes `dh_u`, then the routed activation backward reads it.
     Unfused,
-    /// One kernel (sm_90a, with the dgrad gathering `dy`): the down dgrad's epilogue runs the
-    /// routed activation backward on its tile; `dh_u` is never written.
+    /// One kernel (sm_90a; it reads `dy`'s token rows by `source_of`): the down dgrad's
+    /// epilogue runs the routed activation backward on its tile; `dh_u` is never written.
     Fused,
 }
 
@@ -45,8 +45,7 @@ impl MoeLayer {
 
     /// Chooses where backwards run the routed activation backward.
     /// [`ActivationBackwardPath::Fused`] on an Inference layer is [`MoeError::NotTraining`],
-    /// and where the device or the chosen GEMM variants cannot run it
-    /// [`MoeError::Unsupported`].
+    /// and where the device cannot run it [`MoeError::Unsupported`].
     ///
     /// ```no_run
     /// # use moefuse::{gpu::{ActivationBackwardPath, Mode, MoeLayer, MoePlan}, MoeConfig};
@@ -67,8 +66,8 @@ impl MoeLayer {
             };
             if !b.fusable_activation_backward {
                 return Err(MoeError::Unsupported {
-                    what: "the fused activation backward needs an sm_90a device, a build with \
-                           sm_90a kernels and the down dgrad gathering dy",
+                    what: "the fused activation backward needs an sm_90a device and a build \
+                           with sm_90a kernels",
                 });
             }
         }
