@@ -117,12 +117,14 @@ fn tile_order_override() -> Option<u32> {
 /// Smallest `hidden` (the down dgrad's K) from which a Training layer runs the routed
 /// activation backward in the down dgrad's epilogue (`moefuse_moe_down_dgrad_fused`, sm_90a)
 /// by default. The fused epilogue runs after each tile's mainloop on the same warps, so it
-/// pays off where the mainloop is long. Measured (H100, 2026-12-06, `bench_moe --profile`,
-/// T = 8192, backward medians, fused vs the two kernels): Qwen3-30B-A3B (D = 2048) 2831–2867
-/// vs 2753–2782 µs (slower: the dgrad stage 766–781 vs 641–651), GPT-OSS-120B (D = 2880)
-/// 11418 vs 11522, DeepSeek-V3 (D = 7168) 35660 vs 37541 (the stage 5571 vs 7767),
-/// Mixtral-8x7B (D = 4096) 22252 vs 21980 µs with IQRs of 1.8 ms (the stage 4841 vs
-/// 5036). `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` overrides the rule (read at layer creation).
+/// pays off where the mainloop is long. Measured on an H100 (2026-12-06, `bench_moe
+/// --profile`, T = 8192, backward medians in µs, fused vs the two kernels, alternating in
+/// two device calls; docs/perf-notes.md, session 19): Qwen3-30B-A3B (D = 2048) 2831–2867 vs
+/// 2753–2782 (slower); GPT-OSS-120B (D = 2880) 11418, 11548, 11450 vs 11522, 11487, 11630
+/// (within noise); Mixtral-8x7B (D = 4096) 22252, 22984, 23274 vs 21980, 24035, 23332 (IQRs
+/// 1.3–1.9 ms); DeepSeek-V3 (D = 7168) 35660, 35685 vs 37541, 37593 (−5 %).
+/// [`ActivationBackwardPath`](crate::gpu::ActivationBackwardPath) and
+/// `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` override the rule.
 ///
 /// ```
 /// use moefuse::{gpu::fused_activation_backward_preferred, MoeConfig};
