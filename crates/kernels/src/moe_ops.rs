@@ -9,6 +9,41 @@ use half::bf16;
 
 use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
 
+/// The routed-row problem both fused MoE GEMMs (gate_up, down dgrad) take: `experts` and
+/// `top_k` in range, `hidden` and `intermediate` multiples of 8 (`I` at most 2^28), `T·k`
+/// an `i32`. Returns `T·k`.
+fn check_routed_gemm(
+    kernel: &str,
+    (t, k, d, i, e): (usize, usize, usize, usize, usize),
+) -> Result<usize, KernelError> {
+    check_range(kernel, "experts", e as i128, 1, MAX_EXPERTS as i128)?;
+    check_range(kernel, "top_k", k as i128, 1, MAX_TOP_K as i128)?;
+    check_range(kernel, "hidden", d as i128, 8, i32::MAX as i128)?;
+    check_range(kernel, "intermediate", i as i128, 8, 1 << 28)?;
+    check_multiple(kernel, "hidden", d, 8)?;
+    check_multiple(kernel, "intermediate", i, 8)?;
+    let tk = extent(kernel, "tokens * top_k", &[t, k])?;
+    check_range(kernel, "tokens * top_k", tk as i128, 0, i32::MAX as i128)?;
+    Ok(tk)
+}
+
+/// A contiguous GEMM's tile-order word (raster 0-2 in bits 0-1) using only the bits of
+/// `fields`; `why` names them in the error.
+fn tile_order_word(
+    kernel: &str,
+    word: u32,
+    fields: i32,
+    why: &'static str,
+) -> Result<i32, KernelError> {
+    i32::try_from(word)
+        .ok()
+        .filter(|o| o & !fields == 0 && o & 3 != 3)
+        .ok_or_else(|| KernelError::Inconsistent {
+            kernel: kernel.to_string(),
+            why,
+        })
+}
+
 mod columns;
 mod decode;
 mod down_dgrad;

@@ -2,12 +2,11 @@
 //! of x gathered by the GEMM's producer (or read in order from an already gathered x), the
 //! activation in its epilogue.
 
-use super::{ActivationKind, GateUpLayout};
+use super::{check_routed_gemm, tile_order_word, ActivationKind, GateUpLayout};
 use crate::bind::{check_align, check_multiple, check_range, extent, to_i32, Binder, Call};
 use crate::{ffi, KernelError};
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse_spec::{MAX_EXPERTS, MAX_TOP_K};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -167,13 +166,13 @@ pub enum GateUpRows<'a> {
 pub struct GateUpFused<'a> {
     /// Tokens (rows of x).
     pub tokens: usize,
-    /// Slots per token, `1..=`[`MAX_TOP_K`].
+    /// Slots per token, `1..=`[`MAX_TOP_K`](moefuse_spec::MAX_TOP_K).
     pub top_k: usize,
     /// `D`, a multiple of 8.
     pub hidden: usize,
     /// `I`, a multiple of 8.
     pub intermediate: usize,
-    /// Experts, `1..=`[`MAX_EXPERTS`].
+    /// Experts, `1..=`[`MAX_EXPERTS`](moefuse_spec::MAX_EXPERTS).
     pub experts: usize,
     /// The activation.
     pub kind: ActivationKind,
@@ -205,23 +204,15 @@ impl<'a> GateUpFused<'a> {
             self.intermediate,
             self.experts,
         );
-        check_range(kernel, "experts", e as i128, 1, MAX_EXPERTS as i128)?;
-        check_range(kernel, "top_k", k as i128, 1, MAX_TOP_K as i128)?;
-        check_range(kernel, "hidden", d as i128, 8, i32::MAX as i128)?;
-        check_range(kernel, "intermediate", i as i128, 8, 1 << 28)?;
-        check_multiple(kernel, "hidden", d, 8)?;
-        check_multiple(kernel, "intermediate", i, 8)?;
-        let tk = extent(kernel, "tokens * top_k", &[t, k])?;
-        check_range(kernel, "tokens * top_k", tk as i128, 0, i32::MAX as i128)?;
+        let tk = check_routed_gemm(kernel, (t, k, d, i, e))?;
         let width = if self.kind.is_gated() { 2 * i } else { i };
         let (activation, alpha, limit) = self.kind.raw(kernel)?;
-        let tile_order = i32::try_from(self.tile_order)
-            .ok()
-            .filter(|o| o & !0x100_ff03 == 0 && o & 3 != 3)
-            .ok_or_else(|| KernelError::Inconsistent {
-                kernel: kernel.clone(),
-                why: "tile_order: raster 0-2, band bits 8-15, interleave bit 24",
-            })?;
+        let tile_order = tile_order_word(
+            kernel,
+            self.tile_order,
+            0x100_ff03,
+            "tile_order: raster 0-2, band bits 8-15, interleave bit 24",
+        )?;
         let offsets = b.read("offsets", self.offsets, e, 4)?;
         let (mut source_of, mut x) = (0, 0);
         let (mut peers, mut peer_rows) = (0, 0);
