@@ -73,7 +73,7 @@ pub use fused::{
 };
 pub use layer::{
     ActivationBackwardPath, DecodePath, DeviceWeights, GateUpPath, Gradients, LayerMemory, Mode,
-    MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
+    MoeLayer, MoePlan, MoeWorkspace, Routing, Weights, AUTO_FUSES_ACTIVATION_BACKWARD,
 };
 pub use permute::{combine, combine_backward, permute};
 pub use router::{route, route_backward};

@@ -83,7 +83,7 @@ mod stages;
 mod weights;
 mod workspace;
 
-pub use backward_path::ActivationBackwardPath;
+pub use backward_path::{ActivationBackwardPath, AUTO_FUSES_ACTIVATION_BACKWARD};
 pub use plan::{LayerMemory, Mode, MoePlan};
 pub use weights::{DeviceWeights, Weights};
 pub use workspace::MoeWorkspace;
