@@ -127,7 +127,7 @@ moefuse_status launch(const moefuse_down_dgrad_args& a, const moefuse_grouped_ge
 // d_weights[source_of[r]] = the row's partials summed in block order, for the rows the
 // offsets count (one thread per row); nothing with a stale stamp.
 __global__ void __launch_bounds__(256)
-    sum_partials_kernel(int rows_max, int slots, int n_blocks, int tokens, const int32_t* __restrict__ last_offset,
+    sum_partials_kernel(int slots, int n_blocks, int tokens, const int32_t* __restrict__ last_offset,
                         const int32_t* __restrict__ source_of, const float* __restrict__ partials,
                         float* __restrict__ d_weights, uint32_t* errors, const uint32_t* expect_tokens) {
   if (expect_tokens != nullptr && int64_t(*expect_tokens) != tokens) {
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(256)
     return;
   }
   const int total = *last_offset;
-  const int rows = total < 0 ? 0 : (total > rows_max ? rows_max : total);
+  const int rows = total < 0 ? 0 : (total > slots ? slots : total);  // one row per slot at most
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += gridDim.x * blockDim.x) {
     const int s = source_of[r];
     if (s < 0 || s >= slots) continue;  // flagged by the GEMM's epilogue
@@ -178,7 +178,7 @@ extern "C" moefuse_status moefuse_moe_down_dgrad_fused(const moefuse_down_dgrad_
   if (st != MOEFUSE_STATUS_OK) return st;
   const int rows = g.total_rows;
   const int blocks = (rows + 255) / 256 < 1024 ? (rows + 255) / 256 : 1024;
-  sum_partials_kernel<<<blocks, 256, 0, s>>>(rows, rows, column_blocks(a->intermediate), a->tokens,
+  sum_partials_kernel<<<blocks, 256, 0, s>>>(rows, column_blocks(a->intermediate), a->tokens,
                                              a->offsets + (a->experts - 1), a->source_of, a->partials, a->d_weights,
                                              a->errors, a->expect_tokens);
   return after_launch(name);

@@ -77,10 +77,10 @@ impl MoeLayer {
         path: ActivationBackwardPath,
     ) -> Result<(), MoeError> {
         if path == ActivationBackwardPath::Fused {
-            let Some(b) = &self.gemms.backward else {
+            if self.gemms.backward.is_none() {
                 return Err(MoeError::NotTraining { mode: self.mode });
-            };
-            if !b.fusable_activation_backward {
+            }
+            if !self.fused_activation_backward_runs() {
                 return Err(MoeError::Unsupported {
                     what: "the fused activation backward needs an sm_90a device and a build \
                            with sm_90a kernels",
@@ -91,12 +91,18 @@ impl MoeLayer {
         Ok(())
     }
 
+    /// Whether the device runs the fused kernel (sm_90a; it reads dy by `source_of`
+    /// itself, whatever variant the unfused dgrad's plan chose).
+    fn fused_activation_backward_runs(&self) -> bool {
+        crate::gpu::fused::supported_by(self.gemm.kernels())
+    }
+
     /// Whether this backward runs the fused kernel.
     pub(super) fn fuses_activation_backward(&self) -> bool {
         let Some(b) = &self.gemms.backward else {
             return false;
         };
-        b.fusable_activation_backward
+        self.fused_activation_backward_runs()
             && match self.activation_backward_path {
                 ActivationBackwardPath::Fused => true,
                 ActivationBackwardPath::Unfused => false,

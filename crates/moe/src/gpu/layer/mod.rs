@@ -199,10 +199,6 @@ struct BackwardPlans {
     /// The down dgrad and wgrad read `dy`'s token rows through `source_of` (contiguous
     /// variants gather A in their producers) instead of a gathered `dy_perm`.
     gather_dy: bool,
-    /// The routed activation backward can run in the down dgrad's epilogue (sm_90a), so
-    /// `dh_u` is never written; whether it does is
-    /// [`MoeLayer::activation_backward_path`]'s.
-    fusable_activation_backward: bool,
     /// `MOEFUSE_FUSED_ACTIVATION_BWD=on|off`: [`ActivationBackwardPath::Auto`] fused or not
     /// whatever the rule says (A/B in `bench_moe --profile`).
     forced_activation_backward: Option<bool>,
@@ -238,8 +234,6 @@ impl GemmPlans {
                 let on = env("MOEFUSE_BACKWARD_GATHER").is_none_or(|v| v != "off");
                 let x_on = on && env("MOEFUSE_GATHER_X").is_none_or(|v| v != "off");
                 let gather_dy = on && contiguous(&[&down_dgrad, &down_wgrad[0], &down_wgrad[1]]);
-                // The fused kernel reads dy by source_of itself, whatever the dgrad plan.
-                let fusable_activation_backward = crate::gpu::fused::supported_by(gemm.kernels());
                 let forced_activation_backward =
                     match env("MOEFUSE_FUSED_ACTIVATION_BWD").as_deref() {
                         Some("on") => Some(true),
@@ -250,7 +244,6 @@ impl GemmPlans {
                     gate_up_dgrad: plan(GroupedDesc::dgrad(e, rows, w, d, BLayout::Nk))?,
                     gather_x: x_on && contiguous(&[&gate_up_wgrad[0], &gate_up_wgrad[1]]),
                     gather_dy,
-                    fusable_activation_backward,
                     forced_activation_backward,
                     down_dgrad,
                     down_wgrad,

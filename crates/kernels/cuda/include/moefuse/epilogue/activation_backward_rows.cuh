@@ -122,7 +122,7 @@ struct ActivationBackwardRows {
           float d[8], g[8], u[8], dg[8], du[8], hw[8];
           moe::unpack8(*reinterpret_cast<const uint4*>(&slab[r * S::kPitch + seg * 8]), d, 0);
           const int64_t row = row0 + wg_row0 + r;
-          moe::unpack_raw(p.act, moe::load_raw(p.act, p.h_pre + row * p.width, j0), g, u);
+          moe::load_pairs<8>(p.act, p.h_pre + row * p.width, j0, g, u);
           const auto eval = [&](float gv, float uv) { return moe::eval_as<Act>(p.act.alpha, p.act.limit, gv, uv); };
           moe::routed_backward8(eval, st.w[sweep], d, g, u, dg, du, hw, dot[sweep]);
           moe::store_pairs<8>(p.act, p.d_h_pre + row * p.width, j0, dg, du);

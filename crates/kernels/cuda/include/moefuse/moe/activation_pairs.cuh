@@ -62,40 +62,24 @@ struct ActivationProblem {
   bool gated;
 };
 
-// The 16 or 32 bytes of h_pre behind 8 output columns, loaded as they sit (unpack_raw
-// splits them), so a caller can issue the loads well before it needs the values.
-struct RawPairs {
-  uint4 a, b;
-};
-
-__device__ __forceinline__ RawPairs load_raw(const ActivationProblem& p, const bf16* row, int j0) {
-  const auto* r = reinterpret_cast<const uint4*>(row);
-  if (!p.gated) return {__ldg(r + j0 / 8), make_uint4(0, 0, 0, 0)};
-  if (p.layout == MOEFUSE_GATE_UP_SPLIT) return {__ldg(r + j0 / 8), __ldg(r + (p.inter + j0) / 8)};
-  return {__ldg(r + j0 / 4), __ldg(r + j0 / 4 + 1)};
-}
-
-__device__ __forceinline__ void unpack_raw(const ActivationProblem& p, RawPairs q, float (&g)[8], float (&u)[8]) {
-  if (!p.gated) {
-    unpack8(q.a, g, 0);
-#pragma unroll
-    for (int v = 0; v < 8; ++v) u[v] = 0.f;
-  } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
-    unpack8(q.a, g, 0);
-    unpack8(q.b, u, 0);
-  } else {
-    unpack8_pairs(q.a, g, u, 0);
-    unpack8_pairs(q.b, g, u, 4);
-  }
-}
-
 // Loads the V (g, u) pairs of output columns [j0, j0 + V) of `row` (u = 0 for RELU2); V = 8
 // needs j0 % 8 == 0 and a 16-byte aligned row.
 template <int V>
 __device__ __forceinline__ void load_pairs(const ActivationProblem& p, const bf16* row, int j0,
                                            float (&g)[V], float (&u)[V]) {
   if constexpr (V == 8) {
-    unpack_raw(p, load_raw(p, row, j0), g, u);
+    const auto* q = reinterpret_cast<const uint4*>(row);
+    if (!p.gated) {
+      unpack8(__ldg(q + j0 / 8), g, 0);
+#pragma unroll
+      for (int v = 0; v < 8; ++v) u[v] = 0.f;
+    } else if (p.layout == MOEFUSE_GATE_UP_SPLIT) {
+      unpack8(__ldg(q + j0 / 8), g, 0);
+      unpack8(__ldg(q + (p.inter + j0) / 8), u, 0);
+    } else {
+      unpack8_pairs(__ldg(q + j0 / 4), g, u, 0);
+      unpack8_pairs(__ldg(q + j0 / 4 + 1), g, u, 4);
+    }
   } else {
     static_assert(V == 1, "V is 1 or 8");
     if (!p.gated) {
