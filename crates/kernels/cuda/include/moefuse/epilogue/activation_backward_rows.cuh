@@ -103,17 +103,7 @@ struct ActivationBackwardRows {
       if (pass * S::kCols >= cols) break;
       const int j0 = col0 + pass * S::kCols + seg * 8;  // this thread's 8 columns of I
       const bool col_live = pass * S::kCols + seg * 8 < cols;
-      // Fragments -> shared as bf16 (the dh_u the unfused dgrad stores).
-      CUTE_UNROLL
-      for (int j = pass * 8; j < pass * 8 + 8; ++j) {
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int i = 2 * h + 4 * j;
-          const auto c = tCcD(i);
-          *reinterpret_cast<__nv_bfloat162*>(&slab[(get<0>(c) - wg_row0) * S::kPitch + get<1>(c) - pass * S::kCols]) =
-              __float22bfloat162_rn(make_float2(acc(i), acc(i + 1)));
-        }
-      }
+      fragments_to_slab(acc, tCcD, slab, wg_row0, pass, 1.f);  // the dh_u the unfused dgrad stores
       cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id);
       CUTE_UNROLL
       for (int sweep = 0; sweep < kSweeps; ++sweep) {

@@ -70,6 +70,26 @@ CUTE_DEVICE auto accumulator_coords(Accum const& acc, TiledMma const& tiled_mma,
   return tCcD;
 }
 
+// One 64-column pass of a warp group's accumulator to its padded slab as bf16 (alpha * acc):
+// 8 column blocks of 8, two row halves, one bf16 pair each (indices i = 2 * half + 4 * block,
+// as accumulator_coords says). The caller syncs the warp group before reading the slab.
+template <class Accum, class Coords>
+CUTE_DEVICE void fragments_to_slab(Accum const& acc, Coords const& tCcD, __nv_bfloat16* slab, int wg_row0, int pass,
+                                   float alpha) {
+  using namespace cute;
+  using S = MaskedRowsStorage;
+  CUTE_UNROLL
+  for (int j = pass * 8; j < pass * 8 + 8; ++j) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * h + 4 * j;
+      const auto c = tCcD(i);
+      *reinterpret_cast<__nv_bfloat162*>(&slab[(get<0>(c) - wg_row0) * S::kPitch + get<1>(c) - pass * S::kCols]) =
+          __float22bfloat162_rn(make_float2(alpha * acc(i), alpha * acc(i + 1)));
+    }
+  }
+}
+
 // Consumer perspective (one warp group, 128 threads, named barrier `barrier_id`): stores the
 // warp group's rows [wg_row0, wg_row0 + 64) of the tile. Waits on nothing else.
 // `row_at` maps a row to its storage (RowsInOrder: D's row; RowsScattered: a table's address).
@@ -89,19 +109,7 @@ CUTE_DEVICE void store_masked_rows(Accum const& acc, TiledMma const& tiled_mma, 
   CUTE_UNROLL
   for (int pass = 0; pass < kN / S::kCols; ++pass) {
     if (pass * S::kCols >= cols) break;
-    // Fragments -> shared: 8 column blocks of 8, two row halves, one bf16 pair each.
-    CUTE_UNROLL
-    for (int j = pass * 8; j < pass * 8 + 8; ++j) {
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * h + 4 * j;
-        const auto c = tCcD(i);
-        const int r = get<0>(c) - wg_row0;
-        const int col = get<1>(c) - pass * S::kCols;
-        *reinterpret_cast<__nv_bfloat162*>(&slab[r * S::kPitch + col]) =
-            __float22bfloat162_rn(make_float2(alpha * acc(i), alpha * acc(i + 1)));
-      }
-    }
+    fragments_to_slab(acc, tCcD, slab, wg_row0, pass, alpha);
     cutlass::arch::NamedBarrier::arrive_and_wait(128, barrier_id);
     // Shared -> global: 8 threads per 128-byte row segment, 16 rows per sweep.
     const int seg = t % 8;
