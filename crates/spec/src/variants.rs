@@ -240,6 +240,16 @@ pub const VARIANTS: &[VariantSpec] = &[
         cluster: [2, 1],
         schedule: Schedule::Contiguous,
     },
+    // The dgrads' twin (both read their weights transposed): session 19's fused down dgrad
+    // ran its W_e tiles multicast to CTA pairs and took 2.2 ms off DeepSeek-V3's stage
+    // against the 1x1 dgrad plus the activation pass (docs/perf-notes.md, session 20).
+    VariantSpec {
+        arch: Arch::Sm90a,
+        op: Op::GroupedFwdBkn,
+        tile: [128, 256, 64],
+        cluster: [2, 1],
+        schedule: Schedule::Contiguous,
+    },
     // NOTES: moefuse's own K-grouped kernel (kernels/include/moefuse/kernel/
     // sm90_contiguous_wgrad.cuh): CUTLASS's ptr-array wgrad above ran at 0.68x dense on the
     // Qwen3 shapes (gate_up wgrad 931 vs 511 us, down 481 vs 265).
