@@ -115,16 +115,28 @@ fn main() -> Result<(), Error> {
         let gate_up = stream.clone_htod(&gate_up_h)?;
         let down = stream.clone_htod(&down_h)?;
         let plan = MoePlan::new(cfg, max_t)?;
-        let mut ws = MoeWorkspace::new(&stream, plan.workspace_bytes(Mode::Training))?;
+        let (train, infer) = (
+            MoeLayer::new(&stream, &plan, Mode::Training)?,
+            MoeLayer::new(&stream, &plan, Mode::Inference)?,
+        );
+        // One workspace for both layers: what their paths need (the plan's size fits any).
+        let ws_bytes = train.workspace_bytes().max(infer.workspace_bytes());
+        let mut ws = MoeWorkspace::new(&stream, ws_bytes)?;
+        for l in [&train, &infer] {
+            println!("  {model} max_t{max_t} memory, {}", l.memory());
+        }
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        println!(
+            "  {model} max_t{max_t} workspace {:.1} MiB (the plan's bound: {:.1} MiB)",
+            mib(ws_bytes),
+            mib(plan.workspace_bytes(Mode::Training))
+        );
         let mut layers = Layers {
-            train: MoeLayer::new(&stream, &plan, Mode::Training)?,
-            infer: MoeLayer::new(&stream, &plan, Mode::Inference)?,
+            train,
+            infer,
             weights: Weights::new(gate_up.as_view(), down.as_view()),
             ws: &mut ws,
         };
-        for l in [&layers.train, &layers.infer] {
-            println!("  {model} max_t{max_t} memory, {}", l.memory());
-        }
         for &t in &token_list {
             let recs = bench_case(
                 &ctx,

@@ -208,8 +208,72 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
     }
     let mut small = MoeWorkspace::new(&stream, 10).map_err(e)?;
     match layer.forward(&wv, &x, 16, Routing::Logits(&l), &mut y, &mut small) {
-        Err(MoeError::WorkspaceTooSmall { got: 10, needed }) if needed == ws.bytes() => {}
+        Err(MoeError::WorkspaceTooSmall { got: 10, needed })
+            if needed == layer.workspace_bytes() => {}
         other => return Err(format!("10-byte workspace: {other:?}")),
+    }
+    Ok(())
+}
+
+/// A Training layer needs no more workspace than its plan says, and less where its paths
+/// skip copies (sm_90a); a workspace sized for the fused activation backward is too small
+/// once the path changes to the unfused one: a typed error before any launch.
+fn workspace_follows_the_paths(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    let case = &cases()[0];
+    let (t, d) = (case.tokens, case.cfg.hidden);
+    let inp = inputs(case, 12)?;
+    let Built {
+        mut layer,
+        weights: dw,
+        ws,
+    } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
+    let plan_bytes = ws.bytes();
+    if layer.workspace_bytes() > plan_bytes {
+        return Err(format!(
+            "the layer needs {} bytes, more than the plan's {plan_bytes}",
+            layer.workspace_bytes()
+        ));
+    }
+    if !gate_up_fused_supported(&stream).map_err(e)? {
+        println!("SKIP workspace_follows_the_paths' fused half: not an sm_90a device or build");
+        return Ok(());
+    }
+    layer
+        .set_activation_backward_path(ActivationBackwardPath::Fused)
+        .map_err(e)?;
+    let fused_bytes = layer.workspace_bytes();
+    if fused_bytes >= plan_bytes {
+        return Err(format!(
+            "sm_90a fused: {fused_bytes} bytes, not below the plan's {plan_bytes}"
+        ));
+    }
+    let mut exact = MoeWorkspace::new(&stream, fused_bytes).map_err(e)?;
+    let wv = dw.view();
+    let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
+    let l = stream.clone_htod(&inp.logits).map_err(e)?;
+    let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
+    let mut y = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
+    let mut dx = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
+    let mut g = layer.gradients().map_err(e)?;
+    layer
+        .forward(&wv, &x, t, Routing::Logits(&l), &mut y, &mut exact)
+        .map_err(e)?;
+    layer
+        .backward(&wv, &dy, &mut dx, &mut g, false, &mut exact)
+        .map_err(e)?;
+    layer
+        .set_activation_backward_path(ActivationBackwardPath::Unfused)
+        .map_err(e)?;
+    let unfused_bytes = layer.workspace_bytes();
+    match layer.backward(&wv, &dy, &mut dx, &mut g, false, &mut exact) {
+        Err(MoeError::WorkspaceTooSmall { got, needed })
+            if got == fused_bytes && needed == unfused_bytes && needed > got => {}
+        other => {
+            return Err(format!(
+                "unfused backward in the fused workspace: {other:?}"
+            ))
+        }
     }
     Ok(())
 }
@@ -416,6 +480,10 @@ fn main() {
         )
         .test("moe_layer_graph_replay", graph_replay)
         .test("moe_layer_rejects_bad_input", rejects_bad_input)
+        .test(
+            "moe_layer_workspace_follows_the_paths",
+            workspace_follows_the_paths,
+        )
         .test(
             "moe_layer_failed_forward_leaves_no_state",
             failed_forward_leaves_no_state,

@@ -341,7 +341,7 @@ pub fn check_case(
     let Built {
         mut layer,
         weights: dw,
-        mut ws,
+        ws,
     } = build(stream, cfg, t + 17, &inp.w, Mode::Training)?;
     layer.set_decode_path(if decode {
         DecodePath::Always
@@ -352,6 +352,9 @@ pub fn check_case(
     layer
         .set_activation_backward_path(activation_backward)
         .map_err(e)?;
+    // Exactly what the layer's paths need (below the plan's size on sm_90a).
+    drop(ws);
+    let mut ws = MoeWorkspace::new(stream, layer.workspace_bytes()).map_err(e)?;
     let wv = dw.view();
     let x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;

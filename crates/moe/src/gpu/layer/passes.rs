@@ -230,6 +230,9 @@ impl MoeLayer {
     {
         let last = self.check_backward(weights, dy, &*dx, grads, workspace)?;
         let fused = self.fuses_activation_backward();
+        let uses = self
+            .backward_scratch()
+            .ok_or(MoeError::NotTraining { mode: self.mode })?;
         let (t, w, acc) = (last.tokens, weights, usize::from(accumulate));
         let (cx, p, gws) = (cx!(self), &mut self.profile, &mut self.gemm_ws);
         let (Some(g), Some(sv)) = (&self.gemms.backward, &self.saved) else {
@@ -242,7 +245,7 @@ impl MoeLayer {
             dtw_partials,
         } = &mut self.routing;
         let (k, s) = (self.plan.config().top_k, cx.stream);
-        let layout = self.plan.backward_layout();
+        let layout = self.plan.backward_layout(uses);
         p.begin(s)?;
         workspace.with_slots(layout, |mut sc| -> Result<(), MoeError> {
             let row_of = &perm.row_of;
@@ -357,7 +360,7 @@ impl MoeLayer {
                 check_buffer("topk_weights [T, k]", *topk_weights, tokens * k, s)?;
             }
         }
-        workspace.check(plan.workspace_bytes(self.mode), s)
+        workspace.check(self.workspace_bytes(), s)
     }
 
     /// Everything [`MoeLayer::backward`] can check on the host; the last forward's facts.
@@ -386,7 +389,7 @@ impl MoeLayer {
         if last.routed {
             check_buffer("d_logits [T, E]", &grads.d_logits, t * e, s)?;
         }
-        workspace.check(plan.workspace_bytes(self.mode), s)?;
+        workspace.check(self.workspace_bytes(), s)?;
         Ok(last)
     }
 }

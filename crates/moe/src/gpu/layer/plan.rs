@@ -182,6 +182,27 @@ pub(super) const H_SCALED: usize = 3;
 pub(super) const D_H_PRE: usize = 4;
 pub(super) const DX_PERM: usize = 5;
 
+/// Which of the backward's copies a layer's paths skip: what sizes its scratch
+/// ([`MoePlan::backward_layout`]). [`BackwardScratch::ALL`] is every slot (any device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BackwardScratch {
+    /// The gate_up wgrad reads `x` through `source_of`: no `x_perm` regather.
+    pub(super) gathers_x: bool,
+    /// The down dgrad and wgrad read `dy` through `source_of`: no `dy_perm`.
+    pub(super) gathers_dy: bool,
+    /// The down dgrad's epilogue runs the activation backward: no `dh`.
+    pub(super) fuses_activation: bool,
+}
+
+impl BackwardScratch {
+    /// No copy skipped: the scratch every device and path fits in.
+    pub(super) const ALL: Self = BackwardScratch {
+        gathers_x: false,
+        gathers_dy: false,
+        fuses_activation: false,
+    };
+}
+
 /// A validated layer shape with every buffer sized, computed on the host with no device,
 /// no allocation and no launch ([`MoePlan::new`]). One plan serves any number of layers
 /// ([`MoeLayer::new`](super::MoeLayer::new)) and sizes the workspace they share
@@ -269,7 +290,9 @@ impl MoePlan {
     /// `R·(max(D, I) + max(W, D))·2` bytes. Training's forward uses the same (its `h_pre`
     /// is saved in the layer instead) and its backward `R·(2D + 2I + W)·2`: `x_perm`
     /// regathered from the saved `x`, `dy_perm` then `dx_perm`, `dh`, `w·h` and `d_h_pre`;
-    /// the larger of the two.
+    /// the larger of the two. This fits every device and path; a layer whose GEMMs read `x`
+    /// and `dy` through the permutation (sm_90a) needs less:
+    /// [`MoeLayer::workspace_bytes`](super::MoeLayer::workspace_bytes).
     ///
     /// ```
     /// # use moefuse::{gpu::{Mode, MoePlan}, MoeConfig};
@@ -282,7 +305,7 @@ impl MoePlan {
         let forward = self.forward_layout(false).bytes();
         match mode {
             Mode::Inference => forward,
-            Mode::Training => forward.max(self.backward_layout().bytes()),
+            Mode::Training => forward.max(self.backward_layout(BackwardScratch::ALL).bytes()),
         }
     }
 
@@ -364,11 +387,20 @@ impl MoePlan {
         }
     }
 
-    /// `x_perm`, `dy_perm`, `dh`, `h_scaled`, `d_h_pre`, `dx_perm` (in `dy_perm`'s region).
-    pub(super) fn backward_layout(&self) -> Layout<6> {
+    /// `x_perm`, `dy_perm`, `dh`, `h_scaled`, `d_h_pre`, `dx_perm` (in `dy_perm`'s region),
+    /// each as long as the paths in `uses` need it (0 for a slot the backward never touches).
+    pub(super) fn backward_layout(&self, uses: BackwardScratch) -> Layout<6> {
         let (r, d, i, w) = self.dims();
+        let keep = |on: bool, len: usize| if on { len } else { 0 };
         Layout {
-            lens: [r * d, r * d, r * i, r * i, r * w, r * d],
+            lens: [
+                keep(!uses.gathers_x, r * d),
+                keep(!uses.gathers_dy, r * d),
+                keep(!uses.fuses_activation, r * i),
+                r * i,
+                r * w,
+                r * d,
+            ],
             at: [0, 1, 2, 3, 4, 1],
         }
     }
@@ -514,7 +546,10 @@ mod tests {
             MoeConfig::new(128, 192, 4, 1).with_activation(Activation::Relu2),
         ] {
             let plan = MoePlan::new(cfg, 7).unwrap();
-            let (fwd, bwd) = (plan.forward_layout(false), plan.backward_layout());
+            let (fwd, bwd) = (
+                plan.forward_layout(false),
+                plan.backward_layout(BackwardScratch::ALL),
+            );
             let fused = plan.forward_layout(true);
             assert!(fused.bytes() <= fwd.bytes());
             for (lens, at, regions) in [
@@ -542,5 +577,34 @@ mod tests {
             plan.workspace_bytes(Mode::Training),
             14 * (128 + 512 + 512) * 2
         );
+    }
+
+    #[test]
+    fn backward_scratch_drops_the_copies_the_paths_skip() {
+        // Qwen3-30B-A3B at T = 8192: R = 65536, D 2048, I 768, W 1536.
+        let plan = MoePlan::new(MoeConfig::new(2048, 768, 128, 8), 8192).unwrap();
+        let bytes = |x, dy, act| {
+            let uses = BackwardScratch {
+                gathers_x: x,
+                gathers_dy: dy,
+                fuses_activation: act,
+            };
+            plan.backward_layout(uses).bytes()
+        };
+        let r = 65536 * 2;
+        assert_eq!(bytes(false, false, false), r * (2 * 2048 + 2 * 768 + 1536));
+        // x gathered: no regathered x_perm (dy_perm's region still holds dx_perm).
+        assert_eq!(bytes(true, false, false), r * (2048 + 2 * 768 + 1536));
+        assert_eq!(bytes(true, true, false), r * (2048 + 2 * 768 + 1536));
+        // The fused activation backward: no dh either.
+        assert_eq!(bytes(true, true, true), r * (2048 + 768 + 1536));
+        // Any subset of the slots fits in the worst case's regions.
+        let all = plan.backward_layout(BackwardScratch::ALL).regions();
+        for x in [false, true] {
+            for act in [false, true] {
+                let some = bytes(x, true, act);
+                assert!(some <= all.iter().sum::<usize>() * 2);
+            }
+        }
     }
 }
