@@ -14,13 +14,10 @@ use crate::MoeError;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ActivationBackwardPath {
-    /// [`ActivationBackwardPath::Unfused`] for now, or what
-    /// `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` says (read at layer creation). Once the layer
-    /// test that forces the fused path has passed on a GPU
-    /// ([`AUTO_FUSES_ACTIVATION_BACKWARD`]): [`ActivationBackwardPath::Fused`] where the
-    /// device runs it and
+    /// [`ActivationBackwardPath::Fused`] where the device runs it and
     /// [`fused_activation_backward_preferred`](crate::gpu::fused_activation_backward_preferred)
-    /// holds.
+    /// holds, else [`ActivationBackwardPath::Unfused`]; or what
+    /// `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` says (read at layer creation).
     #[default]
     Auto,
     /// The down dgrad writes `dh_u`, then the routed activation backward reads it.
@@ -32,16 +29,14 @@ pub enum ActivationBackwardPath {
 
 /// Whether [`ActivationBackwardPath::Auto`] takes the fused kernel where
 /// [`fused_activation_backward_preferred`](crate::gpu::fused_activation_backward_preferred)
-/// holds. NOTES: off until `layer_gpu`'s moe_layer_activation_backward_paths_match_reference
-/// has passed on a GPU: the kernel passed its own tests (moe_kernels_gpu, sanitizer) on the
-/// H200 and the H100 and was timed inside the layer, but the device starts of session 19
-/// were refused before the layer test ran with the layer's final wiring (14d7d9a).
+/// holds: on since `layer_gpu`'s moe_layer_activation_backward_paths_match_reference passed
+/// on a GPU with the layer's wiring (session 20; docs/perf-notes.md).
 ///
 /// ```
 /// use moefuse::gpu::AUTO_FUSES_ACTIVATION_BACKWARD;
 /// println!("Auto fuses the activation backward: {AUTO_FUSES_ACTIVATION_BACKWARD}");
 /// ```
-pub const AUTO_FUSES_ACTIVATION_BACKWARD: bool = false;
+pub const AUTO_FUSES_ACTIVATION_BACKWARD: bool = true;
 
 impl MoeLayer {
     /// Where backwards run the routed activation backward ([`ActivationBackwardPath::Auto`]
