@@ -43,8 +43,19 @@ impl ArchSpec for Sm90 {
         if v.spec.schedule == Schedule::Contiguous && p.groups > CONTIGUOUS_MAX_GROUPS {
             return None;
         }
+        // The contiguous kernel with B read transposed (`[k, n]`: the MoE layer's dgrads)
+        // is another matter: one H100 device call (2026-12-06, session 20, `bench_moe
+        // --profile`, the 2x1 twin forced against the 1x1) ran GPT-OSS-120B's gate_up dgrad
+        // 2421-2470 us against 4531-4562 and its down dgrad 1168-1182 against 2089-2113,
+        // DeepSeek-V3's gate_up dgrad 8695-8911 against 14341 (groups of ~256 rows);
+        // Qwen3-30B-A3B's (~512 rows) 725-731 against 778, Mixtral-8x7B's 5680 against 6599.
+        // Without the multicast the transposed B tiles cost the 1x1 kernel up to half its
+        // rate, so 2x1 scores far above 1x1 there and above the ptr-array tiles.
         let cluster_m = v.spec.cluster[0] as usize;
+        let transposed_b = p.op == moefuse_kernels::Op::GroupedFwdBkn;
         let efficiency = match (v.spec.schedule, tm, tn, cluster_m) {
+            (Schedule::Contiguous, 128, 256, 1) if transposed_b => 0.7,
+            (Schedule::Contiguous, 128, 256, _) if transposed_b => 1.25,
             (Schedule::Contiguous, 128, 256, 1) => 1.05,
             (Schedule::Contiguous, 128, 256, _) => 1.10,
             (Schedule::Cooperative, 128, 256, 1) => 1.02,
@@ -136,6 +147,29 @@ mod tests {
         };
         let v = choose(&Sm90, &dense, device, None).unwrap();
         assert_eq!(v.spec.cluster, [2, 1], "dense: the multicast cluster");
+        // The dgrads (B read transposed): the multicast twin at every routed group size
+        // measured (GPT-OSS-120B and DeepSeek-V3 ~256 rows, Qwen3 ~512, Mixtral ~8192).
+        for (groups, m, n, k) in [
+            (128, 256, 2880, 5760),
+            (128, 256, 5760, 2880),
+            (256, 256, 7168, 4096),
+            (128, 512, 2048, 1536),
+            (8, 8192, 4096, 28672),
+        ] {
+            let p = Problem {
+                op: Op::GroupedFwdBkn,
+                groups,
+                m,
+                n,
+                k,
+            };
+            let v = choose(&Sm90, &p, device, None).unwrap();
+            assert_eq!(
+                (v.spec.tile, v.spec.cluster, v.spec.schedule),
+                ([128, 256, 64], [2, 1], Schedule::Contiguous),
+                "{p:?}"
+            );
+        }
         let decode = Problem { m: 1, ..qwen };
         let v = choose(&Sm90, &decode, device, None).unwrap();
         assert_eq!(
