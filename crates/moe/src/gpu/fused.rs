@@ -116,8 +116,10 @@ fn tile_order_override() -> Option<u32> {
 
 /// Smallest `hidden` (the down dgrad's K) from which the routed activation backward in the
 /// down dgrad's epilogue (`moefuse_moe_down_dgrad_fused`, sm_90a) measured faster, the rule
-/// [`ActivationBackwardPath::Auto`](crate::gpu::ActivationBackwardPath::Auto) applies. The
-/// fused epilogue runs after each tile's mainloop on the same warps, so it
+/// [`ActivationBackwardPath::Auto`](crate::gpu::ActivationBackwardPath::Auto) applies while
+/// [`AUTO_FUSES_ACTIVATION_BACKWARD`](crate::gpu::AUTO_FUSES_ACTIVATION_BACKWARD) is on
+/// (measured against the 1x1 dgrad; see there). The fused epilogue runs after each tile's
+/// mainloop on the same warps, so it
 /// pays off where the mainloop is long. Measured on an H100 (2026-12-06, `bench_moe
 /// --profile`, T = 8192, backward medians in µs, fused vs the two kernels, alternating in
 /// two device calls; docs/perf-notes.md, session 19): Qwen3-30B-A3B (D = 2048) 2831–2867 vs

@@ -14,10 +14,10 @@ use crate::MoeError;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ActivationBackwardPath {
-    /// [`ActivationBackwardPath::Fused`] where the device runs it and
+    /// [`ActivationBackwardPath::Unfused`] while [`AUTO_FUSES_ACTIVATION_BACKWARD`] is off;
+    /// when on, [`ActivationBackwardPath::Fused`] where the device runs it and
     /// [`fused_activation_backward_preferred`](crate::gpu::fused_activation_backward_preferred)
-    /// holds, else [`ActivationBackwardPath::Unfused`]; or what
-    /// `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` says (read at layer creation).
+    /// holds. `MOEFUSE_FUSED_ACTIVATION_BWD=on|off` (read at layer creation) overrides both.
     #[default]
     Auto,
     /// The down dgrad writes `dh_u`, then the routed activation backward reads it.
@@ -29,14 +29,19 @@ pub enum ActivationBackwardPath {
 
 /// Whether [`ActivationBackwardPath::Auto`] takes the fused kernel where
 /// [`fused_activation_backward_preferred`](crate::gpu::fused_activation_backward_preferred)
-/// holds: on since `layer_gpu`'s moe_layer_activation_backward_paths_match_reference passed
-/// on a GPU with the layer's wiring (session 20; docs/perf-notes.md).
+/// holds. NOTES: off again (session 20). The fused kernel is verified with the layer's
+/// wiring (`layer_gpu`'s moe_layer_activation_backward_paths_match_reference, H100), but the
+/// rule it would apply was measured against the unfused down dgrad on the 1x1 contiguous
+/// kernel; the dgrads now run the 2x1 twin, which took 44 % off GPT-OSS-120B's down dgrad
+/// (2089 -> 1168 us) and 39 % off DeepSeek-V3's gate_up dgrad on the same H100, so the
+/// unfused stage is expected to beat the fused one (DeepSeek-V3: ~4.6-5.0 ms against
+/// 5.55 ms) until the two are timed side by side again (docs/perf-notes.md, session 20).
 ///
 /// ```
 /// use moefuse::gpu::AUTO_FUSES_ACTIVATION_BACKWARD;
 /// println!("Auto fuses the activation backward: {AUTO_FUSES_ACTIVATION_BACKWARD}");
 /// ```
-pub const AUTO_FUSES_ACTIVATION_BACKWARD: bool = true;
+pub const AUTO_FUSES_ACTIVATION_BACKWARD: bool = false;
 
 impl MoeLayer {
     /// Where backwards run the routed activation backward ([`ActivationBackwardPath::Auto`]
