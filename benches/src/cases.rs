@@ -138,6 +138,21 @@ pub fn all() -> Vec<Case> {
             routed(e, 8192, 8),
         ));
     }
+    // GPT-OSS-120B at EP1 (8192 tokens, top-4 of 128: ~256 rows per expert), forward and
+    // dgrad of both projections: the group size where the dgrads' 1x1 and 2x1 contiguous
+    // tiles measured 2x apart inside the layer (H100, docs/perf-notes.md, session 20).
+    let gpt_oss = routed(128, 8192, 4);
+    let (_, _, _, oss_gate_up, oss_down) = models[4];
+    for (proj, nk) in [("gate_up", oss_gate_up), ("down", oss_down)] {
+        for (pass, name) in [(Pass::Fwd, "fwd"), (Pass::Dgrad, "dgrad")] {
+            out.push(case(
+                format!("gpt-oss-120b-ep1-{proj}-{name}-routed"),
+                pass,
+                nk,
+                gpt_oss.clone(),
+            ));
+        }
+    }
     let mut one = vec![0; e];
     one[7] = rows;
     out.push(case(
@@ -184,6 +199,9 @@ mod tests {
         assert_eq!(r.iter().sum::<usize>(), 65536);
         assert!(r.iter().all(|&s| (400..640).contains(&s)), "{r:?}");
         assert!(r.iter().any(|&s| s != 512));
+        let oss = routed(128, 8192, 4);
+        assert_eq!(oss.iter().sum::<usize>(), 32768);
+        assert!(oss.iter().all(|&s| (180..340).contains(&s)), "{oss:?}");
         for c in all() {
             assert!(c.sizes.iter().sum::<usize>() > 0, "{}", c.name);
         }
