@@ -9,12 +9,12 @@
 
 mod layer_common;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use layer_common::{build, cases, check_case, e, f32s, inputs, to_bf, Built};
 use moefuse::gpu::{
-    gate_up_fused_supported, ActivationBackwardPath, GateUpPath, Mode, MoePlan, MoeWorkspace,
-    Routing, Weights,
+    gate_up_fused_supported, ActivationBackwardPath, GateUpPath, Gradients, Mode, MoeLayer,
+    MoePlan, MoeWorkspace, Routing, Weights,
 };
 use moefuse::model::MoeWeights;
 
@@ -215,6 +215,42 @@ fn rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
     Ok(())
 }
 
+/// A case's inputs on the device, its outputs and the layer's gradients after one call.
+struct Io {
+    x: CudaSlice<bf16>,
+    l: CudaSlice<f32>,
+    dy: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    g: Gradients,
+}
+
+/// Uploads `inp`'s x, logits and dy, then runs one forward (routing by the logits) and one
+/// backward of `layer` in `ws`.
+fn forward_backward(
+    stream: &Arc<CudaStream>,
+    layer: &mut MoeLayer,
+    wv: &Weights<'_>,
+    inp: &layer_common::Inputs,
+    t: usize,
+    d: usize,
+    ws: &mut MoeWorkspace,
+) -> Result<Io, String> {
+    let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
+    let l = stream.clone_htod(&inp.logits).map_err(e)?;
+    let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
+    let mut y = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
+    let mut dx = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
+    let mut g = layer.gradients().map_err(e)?;
+    layer
+        .forward(wv, &x, t, Routing::Logits(&l), &mut y, ws)
+        .map_err(e)?;
+    layer
+        .backward(wv, &dy, &mut dx, &mut g, false, ws)
+        .map_err(e)?;
+    Ok(Io { x, l, dy, y, dx, g })
+}
+
 /// A Training layer needs no more workspace than its plan says, and less where its paths
 /// skip copies (sm_90a); a workspace sized for the fused activation backward is too small
 /// once the path changes to the unfused one: a typed error before any launch.
@@ -250,18 +286,14 @@ fn workspace_follows_the_paths(ctx: &Arc<CudaContext>) -> Result<(), String> {
     }
     let mut exact = MoeWorkspace::new(&stream, fused_bytes).map_err(e)?;
     let wv = dw.view();
-    let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
-    let l = stream.clone_htod(&inp.logits).map_err(e)?;
-    let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
-    let mut y = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
-    let mut dx = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
-    let mut g = layer.gradients().map_err(e)?;
-    layer
-        .forward(&wv, &x, t, Routing::Logits(&l), &mut y, &mut exact)
-        .map_err(e)?;
-    layer
-        .backward(&wv, &dy, &mut dx, &mut g, false, &mut exact)
-        .map_err(e)?;
+    let Io {
+        x: _,
+        l: _,
+        dy,
+        y: _,
+        mut dx,
+        mut g,
+    } = forward_backward(&stream, &mut layer, &wv, &inp, t, d, &mut exact)?;
     layer
         .set_activation_backward_path(ActivationBackwardPath::Unfused)
         .map_err(e)?;
@@ -291,18 +323,14 @@ fn failed_forward_leaves_no_state(ctx: &Arc<CudaContext>) -> Result<(), String> 
         mut ws,
     } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
     let wv = dw.view();
-    let x = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
-    let l = stream.clone_htod(&inp.logits).map_err(e)?;
-    let dy = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
-    let mut y = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
-    let mut dx = stream.alloc_zeros::<bf16>(t * d).map_err(e)?;
-    let mut g = layer.gradients().map_err(e)?;
-    layer
-        .forward(&wv, &x, t, Routing::Logits(&l), &mut y, &mut ws)
-        .map_err(e)?;
-    layer
-        .backward(&wv, &dy, &mut dx, &mut g, false, &mut ws)
-        .map_err(e)?;
+    let Io {
+        x,
+        l,
+        dy,
+        mut y,
+        mut dx,
+        mut g,
+    } = forward_backward(&stream, &mut layer, &wv, &inp, t, d, &mut ws)?;
     let mut short = stream.alloc_zeros::<bf16>(t * d - 1).map_err(e)?;
     match layer.forward(&wv, &x, t, Routing::Logits(&l), &mut short, &mut ws) {
         Err(MoeError::BufferTooSmall { .. }) => {}
