@@ -49,8 +49,8 @@ impl ArchSpec for Sm90 {
         // 2421-2470 us against 4531-4562 and its down dgrad 1168-1182 against 2089-2113,
         // DeepSeek-V3's gate_up dgrad 8695-8911 against 14341 (groups of ~256 rows);
         // Qwen3-30B-A3B's (~512 rows) 725-731 against 778, Mixtral-8x7B's 5680 against 6599.
-        // Without the multicast the transposed B tiles cost the 1x1 kernel up to half its
-        // rate, so 2x1 scores far above 1x1 there and above the ptr-array tiles.
+        // The 1x1 kernel ran at down to half the 2x1's rate (why is open: docs/perf-notes.md),
+        // so for B read transposed 2x1 scores far above 1x1 and above the ptr-array tiles.
         let cluster_m = v.spec.cluster[0] as usize;
         let transposed_b = p.op == moefuse_kernels::Op::GroupedFwdBkn;
         let efficiency = match (v.spec.schedule, tm, tn, cluster_m) {
