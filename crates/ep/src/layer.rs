@@ -114,9 +114,12 @@ impl EpMoeLayer {
         // the exchange runs against this rank alone: what it costs over the permutation).
         let inner = if runtime.ranks() == 1 && delivery == RowDelivery::Auto {
             let plan = MoePlan::new(config, max_tokens)?;
+            let layer = MoeLayer::new(stream, &plan, mode)?;
+            // What this layer's paths need (below the plan's bound where the GEMMs gather).
+            let workspace = MoeWorkspace::new(stream, layer.workspace_bytes())?;
             Inner::Single(Box::new(Single {
-                layer: MoeLayer::new(stream, &plan, mode)?,
-                workspace: MoeWorkspace::new(stream, plan.workspace_bytes(mode))?,
+                layer,
+                workspace,
                 stream: stream.clone(),
                 max_tokens,
             }))
