@@ -65,7 +65,7 @@ impl LayerCache {
         };
         let plan = MoePlan::new(*cfg, max_tokens)?;
         let layer = MoeLayer::new(stream, &plan, mode)?;
-        let ws = MoeWorkspace::new(stream, plan.workspace_bytes(mode))?;
+        let ws = MoeWorkspace::new(stream, layer.workspace_bytes())?; // what its paths need
         tracing::debug!(max_tokens, %mode, memory = %layer.memory(), "moefuse-candle: bound a GPU layer");
         Ok(self.bound.insert(Bound {
             stream: stream.clone(),

@@ -101,12 +101,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let w = weights(&cfg, &mut rng);
     let plan = MoePlan::new(cfg, tokens.max(64))?; // validates and sizes everything, host only
     let dw = DeviceWeights::upload(&stream, &cfg, &w)?; // the caller's; layers borrow views
-    let ws_bytes = plan
-        .workspace_bytes(Mode::Training)
-        .max(plan.workspace_bytes(Mode::Inference));
-    let mut ws = MoeWorkspace::new(&stream, ws_bytes)?; // shared by both layers
     let mut layer = MoeLayer::new(&stream, &plan, Mode::Training)?;
     let mut infer = MoeLayer::new(&stream, &plan, Mode::Inference)?;
+    // One workspace shared by both layers: what their paths need (the plan's
+    // `workspace_bytes(mode)` is the bound that fits any device).
+    let ws_bytes = layer.workspace_bytes().max(infer.workspace_bytes());
+    let mut ws = MoeWorkspace::new(&stream, ws_bytes)?;
     for l in [&layer, &infer] {
         println!("memory, {}", l.memory());
     }
