@@ -7,8 +7,6 @@
 // MOEFUSE_DOWN_DGRAD_CLUSTER = 1 | 2 forces one, an A/B knob read once per process). A fat
 // object like the other MoE kernels: its sm_90a image carries the kernel, any other image a
 // trap the capability check keeps from running.
-#include <cstdlib>
-#include <cstring>
 
 #include "moefuse/common/group_layout.cuh"
 #include "moefuse/epilogue/activation_backward_rows.cuh"
@@ -145,15 +143,10 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// Pairs when the experts average two m-blocks of rows, unless MOEFUSE_DOWN_DGRAD_CLUSTER says.
+// Pairs by moefuse::cluster_pairs_pay's rule, MOEFUSE_DOWN_DGRAD_CLUSTER = 1 | 2 forcing either.
 bool cluster_pairs(const moefuse_down_dgrad_args& a) {
-  static const int forced = [] {
-    const char* v = std::getenv("MOEFUSE_DOWN_DGRAD_CLUSTER");
-    if (v == nullptr) return 0;
-    return std::strcmp(v, "1") == 0 ? 1 : std::strcmp(v, "2") == 0 ? 2 : 0;
-  }();
-  if (forced != 0) return forced == 2;
-  return int64_t(a.tokens) * a.top_k >= int64_t(2 * 128) * a.experts;
+  static const int forced = moefuse::cluster_override("MOEFUSE_DOWN_DGRAD_CLUSTER");
+  return moefuse::cluster_pairs_pay(int64_t(a.tokens) * a.top_k, a.experts, FusedKernel<1>::kTileM, forced);
 }
 
 }  // namespace

@@ -93,8 +93,7 @@ extern "C" moefuse_status moefuse_moe_down_scatter(const moefuse_down_scatter_ar
   if (st != MOEFUSE_STATUS_OK) return st;
   if (a->rows == 0) return MOEFUSE_STATUS_OK;
   const auto s = static_cast<cudaStream_t>(stream);
-  // Pairs when the experts average two m-blocks of rows (the fused gate_up's rule).
-  const bool pairs = int64_t(a->rows) >= int64_t(2 * 128) * a->experts;
+  const bool pairs = moefuse::cluster_pairs_pay(a->rows, a->experts, 128);
   if (a->b_layout == MOEFUSE_B_LAYOUT_KN) {
     return pairs ? launch<2, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name) : launch<1, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name);
   }

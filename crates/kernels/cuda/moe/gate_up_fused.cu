@@ -2,8 +2,6 @@
 // tensor maps (x gathered row by row, W_e in 128-row boxes) and the persistent launch of
 // kernel/sm90_gate_up_fused.cuh. A fat object like the other MoE kernels: its sm_90a image
 // carries the kernel, any other image a trap the capability check keeps from running.
-#include <cstdlib>
-#include <cstring>
 
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "moefuse/common/cluster_launch.cuh"
@@ -162,21 +160,11 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Params& p) {
   return MOEFUSE_STATUS_OK;
 }
 
-// Whether W_e boxes are shared by CTA pairs (KernelPair): when the experts average at least
-// two m-blocks of rows (kPairRowsPerExpert). Below, most pairs would be one tile and one
-// empty partner, half the SMs idle (GPT-OSS-120B T = 2048, 64 rows per expert: 2058 us
-// paired against 1755 single, H200). MOEFUSE_GATE_UP_CLUSTER = 1 | 2 (read once per
-// process; an A/B knob for benchmarks) forces single CTAs or pairs.
-constexpr int64_t kPairRowsPerExpert = 2 * Kernel::kTileM;
-
+// Whether W_e boxes are shared by CTA pairs (KernelPair): moefuse::cluster_pairs_pay's rule,
+// MOEFUSE_GATE_UP_CLUSTER = 1 | 2 forcing either.
 bool cluster_pairs(const moefuse_gate_up_args& a) {
-  static const int forced = [] {
-    const char* v = std::getenv("MOEFUSE_GATE_UP_CLUSTER");
-    if (v == nullptr) return 0;
-    return std::strcmp(v, "1") == 0 ? 1 : std::strcmp(v, "2") == 0 ? 2 : 0;
-  }();
-  if (forced != 0) return forced == 2;
-  return int64_t(a.tokens) * a.top_k >= kPairRowsPerExpert * a.experts;
+  static const int forced = moefuse::cluster_override("MOEFUSE_GATE_UP_CLUSTER");
+  return moefuse::cluster_pairs_pay(int64_t(a.tokens) * a.top_k, a.experts, Kernel::kTileM, forced);
 }
 
 // The persistent launch of kernel K (common/cluster_launch.cuh).
@@ -202,16 +190,9 @@ extern "C" moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* 
   const char* name = "moefuse_moe_gate_up_fused";
   moefuse_status st = check(a, name);
   if (st != MOEFUSE_STATUS_OK) return st;
-  int device = 0, major = 0, minor = 0, sms = 0;
-  st = moefuse::from_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  int device = 0, sms = 0;
+  st = moefuse::check_device(9, 0, name, &sms, &device);
   if (st != MOEFUSE_STATUS_OK) return st;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (major != 9 || minor != 0) {
-    return fail(MOEFUSE_STATUS_ARCH_MISMATCH, "%s needs compute capability 9.0 (sm_90a), device %d is %d.%d", name,
-                device, major, minor);
-  }
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
   const auto s = static_cast<cudaStream_t>(stream);
   if (a->peers > 0) {

@@ -7,10 +7,31 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "moefuse/common/status.hpp"
 
 namespace moefuse {
+
+// An A/B knob for benchmarks: environment variable `name` set to "1" forces single CTAs, "2"
+// CTA pairs; returns that number, or 0 (unset or anything else: the launcher decides).
+// Callers read it once per process (a function-local static), not per launch.
+inline int cluster_override(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return 0;
+  return std::strcmp(v, "1") == 0 ? 1 : std::strcmp(v, "2") == 0 ? 2 : 0;
+}
+
+// Whether a launch over `rows` routed rows of `experts` experts runs CTA pairs that share
+// W_e's tiles: `forced` (cluster_override) when set, else when the experts average at least
+// two m-blocks of `tile_m` rows. Below that most pairs would be one tile and an empty
+// partner, half the SMs idle (the fused gate_up, GPT-OSS-120B T = 2048, 64 rows per expert:
+// 2058 us paired against 1755 single, H200).
+inline bool cluster_pairs_pay(int64_t rows, int experts, int tile_m, int forced = 0) {
+  if (forced != 0) return forced == 2;
+  return rows >= int64_t(2) * tile_m * experts;
+}
 
 // Launches `kKernel(args...)` on `stream` with clusters of `kCluster` CTAs of `threads`
 // threads and `smem_bytes` of dynamic shared memory (its limit raised here), over
