@@ -310,6 +310,79 @@ fn workspace_follows_the_paths(ctx: &Arc<CudaContext>) -> Result<(), String> {
     Ok(())
 }
 
+/// Inference with the gathering gate_up (sm_90a) keeps only `h` and `y_e` in the
+/// workspace: `R·(I + D)·2` bytes, less than the plan's bound. A forward in exactly that
+/// much (left dirty by an earlier forward, y poisoned) equals the Training forward bit for
+/// bit; the unfused path then asks
+/// for more: a typed error before any launch.
+fn inference_workspace_keeps_h_and_y_e(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    if !gate_up_fused_supported(&stream).map_err(e)? {
+        println!("SKIP inference_workspace_keeps_h_and_y_e: not an sm_90a device or build");
+        return Ok(());
+    }
+    let case = &cases()[0];
+    let (t, d, i, k) = (
+        case.tokens,
+        case.cfg.hidden,
+        case.cfg.intermediate,
+        case.cfg.top_k,
+    );
+    let inp = inputs(case, 13)?;
+    let Built {
+        mut layer,
+        weights: dw,
+        mut ws,
+    } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
+    let Built {
+        layer: mut infer,
+        ws: bound,
+        ..
+    } = build(&stream, case.cfg, t, &inp.w, Mode::Inference)?;
+    layer.set_gate_up_path(GateUpPath::FusedGather).map_err(e)?;
+    infer.set_gate_up_path(GateUpPath::FusedGather).map_err(e)?;
+    let lean = infer.workspace_bytes();
+    if lean != t * k * (i + d) * 2 || lean >= bound.bytes() {
+        return Err(format!(
+            "Inference, fused gather: {lean} bytes (want {}, below the plan's {})",
+            t * k * (i + d) * 2,
+            bound.bytes()
+        ));
+    }
+    let wv = dw.view();
+    let io = forward_backward(&stream, &mut layer, &wv, &inp, t, d, &mut ws)?;
+    let mut exact_ws = MoeWorkspace::new(&stream, lean).map_err(e)?;
+    let mut y = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
+    // A forward of other rows first (dy as x) leaves its h and y_e in the workspace.
+    infer
+        .forward(
+            &wv,
+            &io.dy,
+            t,
+            Routing::Logits(&io.l),
+            &mut y,
+            &mut exact_ws,
+        )
+        .map_err(e)?;
+    let mut y = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
+    infer
+        .forward(&wv, &io.x, t, Routing::Logits(&io.l), &mut y, &mut exact_ws)
+        .map_err(e)?;
+    let (a, b) = (
+        stream.clone_dtoh(&io.y).map_err(e)?,
+        stream.clone_dtoh(&y).map_err(e)?,
+    );
+    if a.iter().zip(&b).any(|(p, q)| p.to_bits() != q.to_bits()) {
+        return Err("Inference in the lean workspace differs from Training".into());
+    }
+    infer.set_gate_up_path(GateUpPath::Unfused).map_err(e)?;
+    match infer.forward(&wv, &io.x, t, Routing::Logits(&io.l), &mut y, &mut exact_ws) {
+        Err(MoeError::WorkspaceTooSmall { got, needed }) if got == lean && needed > got => {}
+        other => return Err(format!("unfused forward in the lean workspace: {other:?}")),
+    }
+    Ok(())
+}
+
 /// A forward that returns an error leaves no forward state: the backward refuses with
 /// `NoForward` instead of mixing the failed call with the earlier one.
 fn failed_forward_leaves_no_state(ctx: &Arc<CudaContext>) -> Result<(), String> {
@@ -511,6 +584,10 @@ fn main() {
         .test(
             "moe_layer_workspace_follows_the_paths",
             workspace_follows_the_paths,
+        )
+        .test(
+            "moe_layer_inference_workspace_keeps_h_and_y_e",
+            inference_workspace_keeps_h_and_y_e,
         )
         .test(
             "moe_layer_failed_forward_leaves_no_state",

@@ -93,6 +93,7 @@ use crate::MoeError;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
+use plan::ForwardScratch;
 use profile::Profile;
 use std::sync::Arc;
 
@@ -138,6 +139,17 @@ pub enum GateUpPath {
     /// One kernel (sm_90a) gathers the token rows of `x` in its producer (no `x_perm`),
     /// runs the GEMM and the activation.
     FusedGather,
+}
+
+impl GateUpPath {
+    /// The workspace slots a forward on this path uses (`Auto` resolved before).
+    fn scratch(self) -> ForwardScratch {
+        match self {
+            GateUpPath::Auto | GateUpPath::Unfused => ForwardScratch::Unfused,
+            GateUpPath::FusedActivation => ForwardScratch::FusedActivation,
+            GateUpPath::FusedGather => ForwardScratch::FusedGather,
+        }
+    }
 }
 
 /// How a forward call is routed.
@@ -454,7 +466,6 @@ impl MoeLayer {
         self.decode_path = path;
     }
 
-    /// Whether a forward of `tokens` tokens takes the decode path.
     /// The gate_up path a forward of `tokens` tokens runs ([`GateUpPath::Auto`] resolved).
     fn gate_up_path_for(&self, tokens: usize) -> GateUpPath {
         match self.gate_up_path {
@@ -471,6 +482,18 @@ impl MoeLayer {
         }
     }
 
+    /// The workspace slots of a forward of `tokens` tokens: its gate_up path's (the decode
+    /// kernels keep only `h`, as the gathering GEMM's path does).
+    fn forward_layout_for(&self, tokens: usize) -> plan::Layout<4> {
+        let scratch = if self.takes_decode_path(tokens) {
+            ForwardScratch::FusedGather
+        } else {
+            self.gate_up_path_for(tokens).scratch()
+        };
+        self.plan.forward_layout(scratch, self.mode)
+    }
+
+    /// Whether a forward of `tokens` tokens takes the decode path.
     fn takes_decode_path(&self, tokens: usize) -> bool {
         let cfg = self.plan.config();
         match self.decode_path {
@@ -596,12 +619,16 @@ impl MoeLayer {
     }
 
     /// The workspace bytes this layer's calls need: [`MoePlan::workspace_bytes`] less the
-    /// backward's copies its paths skip (on sm_90a the GEMMs read `x` and `dy` through the
-    /// permutation, so no `x_perm` regather and no `dy_perm`; with the fused activation
-    /// backward no `dh`). Qwen3-30B-A3B at T = 8192 in Training: 640 MiB on sm_90a against
-    /// the plan's 896 MiB. It follows [`MoeLayer::set_activation_backward_path`]: ask again
-    /// after changing the path (a call with a smaller workspace is
-    /// [`MoeError::WorkspaceTooSmall`] before anything is launched).
+    /// copies its paths skip. Forward: no `x_perm` where the gate_up GEMM gathers `x`
+    /// ([`GateUpPath::FusedGather`], Qwen3-30B-A3B at T = 8192 in Inference: 352 MiB
+    /// against the plan's 512 MiB), no `h_pre` in the workspace where the GEMM's epilogue
+    /// activates or Training saves it. Backward (on sm_90a the GEMMs read `x` and `dy`
+    /// through the permutation): no `x_perm` regather and no `dy_perm`, with the fused
+    /// activation backward no `dh` (Qwen3 at T = 8192 in Training: 640 MiB against 896).
+    /// It covers every `T` up to the plan's `max_tokens` and follows the paths: ask again
+    /// after [`MoeLayer::set_gate_up_path`] or [`MoeLayer::set_activation_backward_path`]
+    /// (a call with a smaller workspace is [`MoeError::WorkspaceTooSmall`] before anything
+    /// is launched).
     ///
     /// ```no_run
     /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace}, MoeConfig};
@@ -614,7 +641,14 @@ impl MoeLayer {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn workspace_bytes(&self) -> usize {
-        let forward = self.plan.forward_layout(false).bytes();
+        // The path depends on T through one threshold on rows per expert, so the two ends
+        // of 1..=max_tokens take every path a call can take (and the decode path keeps
+        // less than any of them).
+        let forward = [1, self.plan.max_tokens()]
+            .map(|t| self.forward_layout_for(t).bytes())
+            .into_iter()
+            .max()
+            .unwrap_or(0);
         match self.backward_scratch() {
             Some(uses) => forward.max(self.plan.backward_layout(uses).bytes()),
             None => forward,

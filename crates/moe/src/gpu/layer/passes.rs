@@ -53,10 +53,7 @@ impl MoeLayer {
             return self.forward_decode(weights, x, tokens, routing, y, workspace);
         }
         let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
-        let path = self.gate_up_path_for(t);
-        let layout = self
-            .plan
-            .forward_layout(path == GateUpPath::FusedActivation);
+        let (path, layout) = (self.gate_up_path_for(t), self.forward_layout_for(t));
         let (cx, g) = (cx!(self), &self.gemms);
         let RoutingState {
             ids,
@@ -139,7 +136,7 @@ impl MoeLayer {
         y: &mut dyn DevicePtrMut<bf16>,
         workspace: &mut MoeWorkspace,
     ) -> Result<(), MoeError> {
-        let (cx, layout) = (cx!(self), self.plan.forward_layout(false));
+        let (cx, layout) = (cx!(self), self.forward_layout_for(t));
         let keep = self.mode == Mode::Training;
         let RoutingState {
             ids,
@@ -360,7 +357,10 @@ impl MoeLayer {
                 check_buffer("topk_weights [T, k]", *topk_weights, tokens * k, s)?;
             }
         }
-        workspace.check(self.workspace_bytes(), s)
+        // The layer's need covers every T; the call's own slots are checked too, so that a
+        // path rule and the bound can never disagree into a short split.
+        let call = self.forward_layout_for(tokens).bytes();
+        workspace.check(self.workspace_bytes().max(call), s)
     }
 
     /// Everything [`MoeLayer::backward`] can check on the host; the last forward's facts.

@@ -203,6 +203,19 @@ impl BackwardScratch {
     };
 }
 
+/// Which of the forward's intermediates sit in the workspace, by the gate_up path a call
+/// takes ([`MoePlan::forward_layout`]); the decode kernels use `FusedGather`'s (`h` only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ForwardScratch {
+    /// `x_perm`, then the GEMM's `h_pre` (Inference) and the activation's `h`, then `y_e`:
+    /// every slot, the bound of [`MoePlan::workspace_bytes`].
+    Unfused,
+    /// `x_perm`, then `h` from the GEMM's epilogue, then `y_e`.
+    FusedActivation,
+    /// `h` from the gathering GEMM, then `y_e`.
+    FusedGather,
+}
+
 /// A validated layer shape with every buffer sized, computed on the host with no device,
 /// no allocation and no launch ([`MoePlan::new`]). One plan serves any number of layers
 /// ([`MoeLayer::new`](super::MoeLayer::new)) and sizes the workspace they share
@@ -302,7 +315,9 @@ impl MoePlan {
     /// # Ok::<(), moefuse::MoeError>(())
     /// ```
     pub fn workspace_bytes(&self, mode: Mode) -> usize {
-        let forward = self.forward_layout(false).bytes();
+        let forward = self
+            .forward_layout(ForwardScratch::Unfused, Mode::Inference)
+            .bytes();
         match mode {
             Mode::Inference => forward,
             Mode::Training => forward.max(self.backward_layout(BackwardScratch::ALL).bytes()),
@@ -371,15 +386,30 @@ impl MoePlan {
         [self.max_tokens * d, r * w]
     }
 
-    /// `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]` in two regions; with
-    /// `h_beside_x_perm` (the fused activation reads `x_perm` while it writes `h`) `h` and
-    /// `y_e` trade regions, which needs no more bytes (`R·I ≤ R·W`, and `y_e` is `x_perm`'s
-    /// size).
-    pub(super) fn forward_layout(&self, h_beside_x_perm: bool) -> Layout<4> {
+    /// `x_perm [R, D]`, `h_pre [R, W]`, `h [R, I]`, `y_e [R, D]` in two regions, each slot
+    /// as long as the forward of `scratch` in `mode` needs it in the workspace: no `x_perm`
+    /// where the GEMM gathers `x`, `h_pre` only for the unfused activation in Inference
+    /// (Training writes it into the layer's saved buffer, [`MoeWorkspace::slots_with`]).
+    /// The fused activation reads `x_perm` while it writes `h`, so there `h` and `y_e` trade
+    /// regions.
+    ///
+    /// [`MoeWorkspace::slots_with`]: super::MoeWorkspace
+    pub(super) fn forward_layout(&self, scratch: ForwardScratch, mode: Mode) -> Layout<4> {
         let (r, d, i, w) = self.dims();
+        let unfused = scratch == ForwardScratch::Unfused;
+        let h_pre = if unfused && mode == Mode::Inference {
+            r * w
+        } else {
+            0
+        };
+        let x_perm = if scratch == ForwardScratch::FusedGather {
+            0
+        } else {
+            r * d
+        };
         Layout {
-            lens: [r * d, r * w, r * i, r * d],
-            at: if h_beside_x_perm {
+            lens: [x_perm, h_pre, r * i, r * d],
+            at: if scratch == ForwardScratch::FusedActivation {
                 [0, 1, 1, 0]
             } else {
                 [0, 1, 0, 1]
@@ -546,17 +576,23 @@ mod tests {
             MoeConfig::new(128, 192, 4, 1).with_activation(Activation::Relu2),
         ] {
             let plan = MoePlan::new(cfg, 7).unwrap();
-            let (fwd, bwd) = (
-                plan.forward_layout(false),
-                plan.backward_layout(BackwardScratch::ALL),
-            );
-            let fused = plan.forward_layout(true);
-            assert!(fused.bytes() <= fwd.bytes());
-            for (lens, at, regions) in [
-                (&fwd.lens[..], &fwd.at[..], fwd.regions()),
-                (&fused.lens[..], &fused.at[..], fused.regions()),
-                (&bwd.lens[..], &bwd.at[..], bwd.regions()),
+            let fwd = plan.forward_layout(ForwardScratch::Unfused, Mode::Inference);
+            let bwd = plan.backward_layout(BackwardScratch::ALL);
+            let mut layouts = vec![(fwd.lens.to_vec(), fwd.at.to_vec(), fwd.regions())];
+            for scratch in [
+                ForwardScratch::Unfused,
+                ForwardScratch::FusedActivation,
+                ForwardScratch::FusedGather,
             ] {
+                for mode in [Mode::Inference, Mode::Training] {
+                    let l = plan.forward_layout(scratch, mode);
+                    // Every path fits in the plan's bound.
+                    assert!(l.bytes() <= fwd.bytes(), "{scratch:?} {mode:?}");
+                    layouts.push((l.lens.to_vec(), l.at.to_vec(), l.regions()));
+                }
+            }
+            layouts.push((bwd.lens.to_vec(), bwd.at.to_vec(), bwd.regions()));
+            for (lens, at, regions) in &layouts {
                 for (len, a) in lens.iter().zip(at) {
                     assert!(regions[*a] >= *len);
                 }
@@ -577,6 +613,38 @@ mod tests {
             plan.workspace_bytes(Mode::Training),
             14 * (128 + 512 + 512) * 2
         );
+    }
+
+    #[test]
+    fn forward_scratch_follows_the_gate_up_path() {
+        // Qwen3-30B-A3B at T = 8192: R = 65536, D 2048, I 768, W 1536.
+        let plan = MoePlan::new(MoeConfig::new(2048, 768, 128, 8), 8192).unwrap();
+        let bytes = |s, m| plan.forward_layout(s, m).bytes();
+        let r = 65536 * 2;
+        // x_perm | h, then h_pre | y_e: 512 MiB.
+        assert_eq!(
+            bytes(ForwardScratch::Unfused, Mode::Inference),
+            r * (2048 + 2048)
+        );
+        // The gathering GEMM: h, then y_e: 352 MiB, in both modes (Training's h_pre is saved).
+        for m in [Mode::Inference, Mode::Training] {
+            assert_eq!(bytes(ForwardScratch::FusedGather, m), r * (768 + 2048));
+            // x_perm | y_e, then h.
+            assert_eq!(bytes(ForwardScratch::FusedActivation, m), r * (2048 + 768));
+        }
+        // Training's unfused forward writes h_pre into the saved buffer.
+        assert_eq!(
+            bytes(ForwardScratch::Unfused, Mode::Training),
+            r * (2048 + 2048)
+        );
+        // Mixtral-8x7B (W = 28672 > D): Training's forward leaves h_pre out of the workspace.
+        let plan = MoePlan::new(MoeConfig::new(4096, 14336, 8, 2), 16).unwrap();
+        let (inf, train) = (
+            plan.forward_layout(ForwardScratch::Unfused, Mode::Inference),
+            plan.forward_layout(ForwardScratch::Unfused, Mode::Training),
+        );
+        assert_eq!(inf.bytes(), 32 * (14336 + 28672) * 2);
+        assert_eq!(train.bytes(), 32 * (14336 + 4096) * 2);
     }
 
     #[test]

@@ -106,7 +106,8 @@ impl MoeWorkspace {
         })
     }
 
-    /// [`MoeWorkspace::slots`] with slot `slot` in `own` instead (a layer's saved buffer).
+    /// [`MoeWorkspace::slots`] with slot `slot` in `own` instead (a layer's saved buffer),
+    /// as long as `own` (the layout gives that slot no room in the workspace).
     pub(super) fn slots_with<'a>(
         &'a mut self,
         layout: Layout<4>,
@@ -115,6 +116,7 @@ impl MoeWorkspace {
     ) -> SlotViews<'a, 4> {
         let mut views = self.slots(layout);
         views.at[slot] = views.bufs.len();
+        views.lens[slot] = own.len();
         views.bufs.push(own.as_view_mut());
         views
     }
