@@ -8,6 +8,11 @@ use moefuse_spec::CONTIGUOUS_MAX_GROUPS;
 
 pub(crate) struct Sm90;
 
+/// Rows per group (the routed average) over which the forward's M-grouped contiguous GEMM
+/// runs CTA pairs that share each W_e tile (see [`Sm90::score`]): more than one M-tile, and
+/// fewer rows than Qwen3-30B-A3B's ~512, where the single-CTA kernel measured as fast.
+const WEIGHT_BOUND_ROWS: std::ops::Range<usize> = 129..384;
+
 impl ArchSpec for Sm90 {
     fn arch(&self) -> VariantArch {
         VariantArch::Sm90a
@@ -51,11 +56,24 @@ impl ArchSpec for Sm90 {
         // Qwen3-30B-A3B's (~512 rows) 725-731 against 778, Mixtral-8x7B's 5680 against 6599.
         // The 1x1 kernel ran at down to half the 2x1's rate (why is open: docs/perf-notes.md),
         // so for B read transposed 2x1 scores far above 1x1 and above the ptr-array tiles.
+        // The forward's M-grouped GEMM (B `[n, k]`) shows the same at groups of two or
+        // three M-tiles (`WEIGHT_BOUND_ROWS`): one H100 call (2026-12-07, session 21,
+        // `bench_moe --profile`, T = 8192, two rounds, the 2x1 twin forced against the
+        // heuristic's 1x1) ran DeepSeek-V3's down GEMM 4164-4252 us against 6513-6573 and
+        // its unfused gate_up GEMM 9062-9133 against 15347-15351, GPT-OSS-120B's down GEMM
+        // 1190-1260 against 1893-1986 and its gate_up GEMM 2259-2341 against 3508-3522
+        // (~256-row groups). At ~256 rows an expert's weights carry ~256 FLOP per byte,
+        // below the H100's and near the H200's balance, so a second read of W_e per n-block
+        // (1x1: one per M-tile) costs what the multicast saves; at ~512 rows (Qwen3) 1x1
+        // stayed within 3% of 2x1 on down.
         let cluster_m = v.spec.cluster[0] as usize;
         let transposed_b = p.op == moefuse_kernels::Op::GroupedFwdBkn;
+        let weight_bound = p.op == moefuse_kernels::Op::GroupedFwdBnk
+            && WEIGHT_BOUND_ROWS.contains(&p.m)
+            && p.groups > 1;
         let efficiency = match (v.spec.schedule, tm, tn, cluster_m) {
-            (Schedule::Contiguous, 128, 256, 1) if transposed_b => 0.7,
-            (Schedule::Contiguous, 128, 256, _) if transposed_b => 1.25,
+            (Schedule::Contiguous, 128, 256, 1) if transposed_b || weight_bound => 0.7,
+            (Schedule::Contiguous, 128, 256, _) if transposed_b || weight_bound => 1.25,
             (Schedule::Contiguous, 128, 256, 1) => 1.05,
             (Schedule::Contiguous, 128, 256, _) => 1.10,
             (Schedule::Cooperative, 128, 256, 1) => 1.02,
@@ -170,6 +188,32 @@ mod tests {
                 "{p:?}"
             );
         }
+        // ~256-row groups (DeepSeek-V3 and GPT-OSS-120B at T = 8192, both projections):
+        // the multicast twin, measured 35-40% faster than 1x1 on each.
+        for (groups, n, k) in [
+            (256, 4096, 7168),
+            (256, 7168, 2048),
+            (128, 5760, 2880),
+            (128, 2880, 2880),
+        ] {
+            let p = Problem {
+                groups,
+                m: 256,
+                n,
+                k,
+                ..qwen
+            };
+            let v = choose(&Sm90, &p, device, None).unwrap();
+            assert_eq!(
+                (v.spec.tile, v.spec.cluster, v.spec.schedule),
+                ([128, 256, 64], [2, 1], Schedule::Contiguous),
+                "{p:?}"
+            );
+        }
+        // One M-tile per group: nothing to share, no pairs.
+        let small = Problem { m: 96, ..qwen };
+        let v = choose(&Sm90, &small, device, None).unwrap();
+        assert_ne!(v.spec.cluster, [2, 1], "{small:?}");
         let decode = Problem { m: 1, ..qwen };
         let v = choose(&Sm90, &decode, device, None).unwrap();
         assert_eq!(
