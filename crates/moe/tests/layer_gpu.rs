@@ -67,6 +67,30 @@ fn cases_on(
     Ok(())
 }
 
+/// Every case on a layer planned for 16 times its tokens: the forward's GEMMs take the
+/// band of the call's own rows per expert (smaller tiles than the plan's), the backward's
+/// the plan's; both paths of the gate_up.
+fn small_batch_on_a_large_plan(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    let stream = ctx.new_stream().map_err(e)?;
+    let seed = Rng::fresh_seed();
+    for path in [GateUpPath::Unfused, GateUpPath::Auto] {
+        for (n, case) in cases().iter().enumerate() {
+            let max_tokens = (16 * case.tokens).min(65536);
+            layer_common::check_case_planned(
+                &stream,
+                case,
+                seed.wrapping_add(n as u64),
+                false,
+                path,
+                ActivationBackwardPath::Auto,
+                max_tokens,
+            )?;
+            println!("{} on a {max_tokens}-token plan, {path:?} ok", case.name);
+        }
+    }
+    Ok(())
+}
+
 /// Forward + backward captured once, replayed with new x, logits (so new routing), dy and
 /// weights written into the caller's buffers: equal to eager bit for bit (grouped path).
 fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
@@ -584,6 +608,10 @@ fn main() {
         .test(
             "moe_layer_workspace_follows_the_paths",
             workspace_follows_the_paths,
+        )
+        .test(
+            "moe_layer_small_batch_on_a_large_plan",
+            small_batch_on_a_large_plan,
         )
         .test(
             "moe_layer_inference_workspace_keeps_h_and_y_e",

@@ -324,6 +324,29 @@ pub fn check_case(
     gate_up: GateUpPath,
     activation_backward: ActivationBackwardPath,
 ) -> Result<(), String> {
+    let max_tokens = case.tokens + 17;
+    check_case_planned(
+        stream,
+        case,
+        seed,
+        decode,
+        gate_up,
+        activation_backward,
+        max_tokens,
+    )
+}
+
+/// [`check_case`] on a layer planned for `max_tokens` (the forward's GEMMs take the band
+/// of the call's rows per expert, the backward's the plan's).
+pub fn check_case_planned(
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    seed: u64,
+    decode: bool,
+    gate_up: GateUpPath,
+    activation_backward: ActivationBackwardPath,
+    max_tokens: usize,
+) -> Result<(), String> {
     let cfg = case.cfg;
     let (t, d, ex, k) = (case.tokens, cfg.hidden, cfg.experts, cfg.top_k);
     let what = |m: &str| format!("{} (seed {seed}): {m}", case.name);
@@ -342,7 +365,7 @@ pub fn check_case(
         mut layer,
         weights: dw,
         ws,
-    } = build(stream, cfg, t + 17, &inp.w, Mode::Training)?;
+    } = build(stream, cfg, max_tokens, &inp.w, Mode::Training)?;
     layer.set_decode_path(if decode {
         DecodePath::Always
     } else {

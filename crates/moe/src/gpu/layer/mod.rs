@@ -89,7 +89,7 @@ pub use weights::{DeviceWeights, Weights};
 pub use workspace::MoeWorkspace;
 
 use super::{ActivationDesc, PermuteBuffers};
-use crate::MoeError;
+use crate::{MoeConfig, MoeError};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
@@ -192,9 +192,50 @@ pub struct Gradients {
 
 /// The grouped GEMM plans: the forward's always, the backward's in Training.
 struct GemmPlans {
-    gate_up: GroupedPlan,
-    down: GroupedPlan,
+    forward: ForwardPlans,
     backward: Option<BackwardPlans>,
+}
+
+/// The forward's gate_up and down plans for bands of routed rows per expert: a call takes
+/// the band of its own `T·k/E`, since the tile and cluster that suit a few rows per expert
+/// are not those of hundreds (at ~256 rows the 2x1 twin ran 35-40 % faster than at the
+/// plan's 512, docs/perf-notes.md, session 21). The backward keeps the plan's `max_tokens`
+/// (Training runs at its full batch).
+struct ForwardPlans {
+    /// Rows-per-expert hints, descending: `⌈R/E⌉`, then every power of two below it.
+    hints: Vec<usize>,
+    /// `[gate_up, down]` per hint.
+    plans: Vec<[GroupedPlan; 2]>,
+}
+
+impl ForwardPlans {
+    /// `[gate_up, down]` for a forward of `tokens` tokens of `cfg`.
+    fn for_tokens(&self, cfg: &MoeConfig, tokens: usize) -> &[GroupedPlan; 2] {
+        &self.plans[band_for(&self.hints, (tokens * cfg.top_k).div_ceil(cfg.experts))]
+    }
+}
+
+/// `⌈R/E⌉` then the powers of two below it, descending (at least `[1]`).
+fn band_hints(rows_per_expert: usize) -> Vec<usize> {
+    let top = rows_per_expert.max(1);
+    let mut hints = vec![top];
+    let mut h = top.next_power_of_two();
+    while h > 1 {
+        h /= 2;
+        if h < top {
+            hints.push(h);
+        }
+    }
+    hints
+}
+
+/// The band of a call with `rows` routed rows per expert: the largest hint not above it
+/// (the first band for calls at or past the plan's own).
+fn band_for(hints: &[usize], rows: usize) -> usize {
+    hints
+        .iter()
+        .position(|&h| h <= rows)
+        .unwrap_or(hints.len().saturating_sub(1))
 }
 
 struct BackwardPlans {
@@ -263,9 +304,20 @@ impl GemmPlans {
                 })
             }
         };
+        let hints = band_hints(rows.div_ceil(e));
+        let plans = hints
+            .iter()
+            .map(|&h| {
+                let band = |n: usize, kk: usize| {
+                    let mut desc = GroupedDesc::forward(e, rows, n, kk, BLayout::Nk);
+                    desc.rows_per_group_hint = Some(h);
+                    gemm.plan(&desc)
+                };
+                Ok([band(w, d)?, band(d, i)?])
+            })
+            .collect::<Result<Vec<_>, MoeError>>()?;
         let plans = GemmPlans {
-            gate_up: plan(GroupedDesc::forward(e, rows, w, d, BLayout::Nk))?,
-            down: plan(GroupedDesc::forward(e, rows, d, i, BLayout::Nk))?,
+            forward: ForwardPlans { hints, plans },
             backward,
         };
         for p in plans.all() {
@@ -275,7 +327,7 @@ impl GemmPlans {
     }
 
     fn all(&self) -> Vec<&GroupedPlan> {
-        let mut all = vec![&self.gate_up, &self.down];
+        let mut all: Vec<&GroupedPlan> = self.forward.plans.iter().flatten().collect();
         if let Some(b) = &self.backward {
             all.extend([&b.down_dgrad, &b.gate_up_dgrad]);
             all.extend(b.down_wgrad.iter().chain(&b.gate_up_wgrad));
@@ -777,5 +829,27 @@ impl MoeLayer {
     /// ```
     pub fn offsets(&self) -> &CudaSlice<i32> {
         self.routing.perm.offsets()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{band_for, band_hints};
+
+    #[test]
+    fn forward_bands_halve_down_from_the_plans_rows() {
+        // Qwen3-30B-A3B at max_tokens 8192: 512 rows per expert.
+        assert_eq!(band_hints(512), vec![512, 256, 128, 64, 32, 16, 8, 4, 2, 1]);
+        assert_eq!(band_hints(300), vec![300, 256, 128, 64, 32, 16, 8, 4, 2, 1]);
+        assert_eq!(band_hints(1), vec![1]);
+        assert_eq!(band_hints(0), vec![1]);
+        let h = band_hints(512);
+        // T = 8192 and beyond: the plan's own band; T = 4096 (256 rows): 256's.
+        assert_eq!(h[band_for(&h, 512)], 512);
+        assert_eq!(h[band_for(&h, 900)], 512);
+        assert_eq!(h[band_for(&h, 256)], 256);
+        assert_eq!(h[band_for(&h, 383)], 256);
+        assert_eq!(h[band_for(&h, 3)], 2);
+        assert_eq!(h[band_for(&h, 1)], 1);
     }
 }

@@ -54,7 +54,8 @@ impl MoeLayer {
         }
         let (t, w, keep) = (tokens, weights, self.mode == Mode::Training);
         let (path, layout) = (self.gate_up_path_for(t), self.forward_layout_for(t));
-        let (cx, g) = (cx!(self), &self.gemms);
+        let (cx, cfg) = (cx!(self), self.plan.config());
+        let [gate_up_plan, down_plan] = self.gemms.forward.for_tokens(cfg, t);
         let RoutingState {
             ids,
             weights: wts,
@@ -99,7 +100,7 @@ impl MoeLayer {
         } else {
             let off = &perm.offsets;
             let (x_perm, mut h_pre) = acts.io(X_PERM, H_PRE);
-            let gate_up = cx.gemm(&g.gate_up, off, &x_perm, &w.gate_up, &mut h_pre, gws);
+            let gate_up = cx.gemm(gate_up_plan, off, &x_perm, &w.gate_up, &mut h_pre, gws);
             p.stage(s, "gate_up gemm", gate_up)?;
             let (h_pre, mut h) = acts.io(H_PRE, H);
             p.stage(s, "activation", cx.activation(off, &h_pre, &mut h))?;
@@ -109,7 +110,7 @@ impl MoeLayer {
         p.stage(
             s,
             "down gemm",
-            cx.gemm(&g.down, off, &h, &w.down, &mut y_e, gws),
+            cx.gemm(down_plan, off, &h, &w.down, &mut y_e, gws),
         )?;
         let (row_of, errors, y_e) = (&perm.row_of, &mut perm.errors, acts.get(Y_E));
         let combine = cx.combine(t, row_of, Some(r.weights), &y_e, y, errors, false);
