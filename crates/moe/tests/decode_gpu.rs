@@ -119,6 +119,7 @@ fn decode_layer_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> 
             true,
             GateUpPath::Auto,
             ActivationBackwardPath::Auto,
+            None,
         )?;
         println!("{} ok", case.name);
     }

@@ -61,6 +61,7 @@ fn cases_on(
             false,
             path,
             backward,
+            None,
         )?;
         println!("{} {path:?} {backward:?} ok", case.name);
     }
@@ -76,14 +77,14 @@ fn small_batch_on_a_large_plan(ctx: &Arc<CudaContext>) -> Result<(), String> {
     for path in [GateUpPath::Unfused, GateUpPath::Auto] {
         for (n, case) in cases().iter().enumerate() {
             let max_tokens = (16 * case.tokens).min(65536);
-            layer_common::check_case_planned(
+            check_case(
                 &stream,
                 case,
                 seed.wrapping_add(n as u64),
                 false,
                 path,
                 ActivationBackwardPath::Auto,
-                max_tokens,
+                Some(max_tokens),
             )?;
             println!("{} on a {max_tokens}-token plan, {path:?} ok", case.name);
         }

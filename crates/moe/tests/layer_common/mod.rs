@@ -316,6 +316,8 @@ pub fn check_dots(
 ///
 /// With `decode`, the layer takes the decode path wherever it can run (`T <= 64`,
 /// [`DecodePath::Always`]), else the grouped-GEMM path at every `T`.
+/// `max_tokens`: the layer's plan (the forward's GEMMs take the band of the call's rows per
+/// expert, the backward's the plan's); `None` plans for the case's tokens plus 17.
 pub fn check_case(
     stream: &Arc<CudaStream>,
     case: &Case,
@@ -323,31 +325,10 @@ pub fn check_case(
     decode: bool,
     gate_up: GateUpPath,
     activation_backward: ActivationBackwardPath,
-) -> Result<(), String> {
-    let max_tokens = case.tokens + 17;
-    check_case_planned(
-        stream,
-        case,
-        seed,
-        decode,
-        gate_up,
-        activation_backward,
-        max_tokens,
-    )
-}
-
-/// [`check_case`] on a layer planned for `max_tokens` (the forward's GEMMs take the band
-/// of the call's rows per expert, the backward's the plan's).
-pub fn check_case_planned(
-    stream: &Arc<CudaStream>,
-    case: &Case,
-    seed: u64,
-    decode: bool,
-    gate_up: GateUpPath,
-    activation_backward: ActivationBackwardPath,
-    max_tokens: usize,
+    max_tokens: Option<usize>,
 ) -> Result<(), String> {
     let cfg = case.cfg;
+    let max_tokens = max_tokens.unwrap_or(case.tokens + 17);
     let (t, d, ex, k) = (case.tokens, cfg.hidden, cfg.experts, cfg.top_k);
     let what = |m: &str| format!("{} (seed {seed}): {m}", case.name);
     let inp = inputs(case, seed)?;
