@@ -26,12 +26,12 @@ use std::sync::Arc;
 /// gate_up the layer picks by itself ([`GateUpPath::Auto`]: the fused gather on sm_90a at
 /// these sizes).
 fn layer_cases(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Auto)
+    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Auto, None)
 }
 
 /// The same with the unfused gate_up (the permutation's gather, the GEMM, the activation).
 fn layer_cases_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    cases_on(ctx, GateUpPath::Unfused, ActivationBackwardPath::Auto)
+    cases_on(ctx, GateUpPath::Unfused, ActivationBackwardPath::Auto, None)
 }
 
 /// The same with the routed activation backward in the down dgrad's epilogue (sm_90a; the
@@ -40,30 +40,27 @@ fn layer_cases_activation_backward(ctx: &Arc<CudaContext>) -> Result<(), String>
     let stream = ctx.new_stream().map_err(e)?;
     if !gate_up_fused_supported(&stream).map_err(e)? {
         println!("SKIP fused activation backward: not an sm_90a device or build");
-        return cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused);
+        return cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused, None);
     }
-    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Fused)?;
-    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused)
+    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Fused, None)?;
+    cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused, None)
 }
 
+/// Every case on `path` and `backward`; with `plan_scale` on a layer planned for that many
+/// times the case's tokens (else for its tokens plus a few).
 fn cases_on(
     ctx: &Arc<CudaContext>,
     path: GateUpPath,
     backward: ActivationBackwardPath,
+    plan_scale: Option<usize>,
 ) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     let seed = Rng::fresh_seed();
     for (n, case) in cases().iter().enumerate() {
-        check_case(
-            &stream,
-            case,
-            seed.wrapping_add(n as u64),
-            false,
-            path,
-            backward,
-            None,
-        )?;
-        println!("{} {path:?} {backward:?} ok", case.name);
+        let max_tokens = plan_scale.map(|s| (s * case.tokens).min(65536));
+        let run = seed.wrapping_add(n as u64);
+        check_case(&stream, case, run, false, path, backward, max_tokens)?;
+        println!("{} {path:?} {backward:?} plan {max_tokens:?} ok", case.name);
     }
     Ok(())
 }
@@ -72,22 +69,8 @@ fn cases_on(
 /// band of the call's own rows per expert (smaller tiles than the plan's), the backward's
 /// the plan's; both paths of the gate_up.
 fn small_batch_on_a_large_plan(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    let stream = ctx.new_stream().map_err(e)?;
-    let seed = Rng::fresh_seed();
     for path in [GateUpPath::Unfused, GateUpPath::Auto] {
-        for (n, case) in cases().iter().enumerate() {
-            let max_tokens = (16 * case.tokens).min(65536);
-            check_case(
-                &stream,
-                case,
-                seed.wrapping_add(n as u64),
-                false,
-                path,
-                ActivationBackwardPath::Auto,
-                Some(max_tokens),
-            )?;
-            println!("{} on a {max_tokens}-token plan, {path:?} ok", case.name);
-        }
+        cases_on(ctx, path, ActivationBackwardPath::Auto, Some(16))?;
     }
     Ok(())
 }
