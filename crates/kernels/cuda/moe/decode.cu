@@ -92,24 +92,12 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
 // Element offsets of the x rows (the B columns) of a lane's NB column blocks: column
 // nb * 8 + g is slot `slots[col]` (the first slot past `n`, whose sums are not stored).
 template <int NB>
-__device__ __forceinline__ void token_row_offsets(const moefuse_decode_args& a, const int* slots, int n,
+__device__ __forceinline__ void token_row_offsets(const moefuse_decode_args& a, const int* slots, int n, int g,
                                                   uint32_t (&b_off)[NB]) {
-  const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int col = nb * 8 + g;
     b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);  // tokens * hidden < 2^26
-  }
-}
-
-// A warp's C fragments into its row of the block's partials.
-template <int NB>
-__device__ __forceinline__ void store_partials(GateUpShared& sm, const float (&acc)[NB][4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sm.partial[warp][nb][lane][i] = acc[nb][i];
   }
 }
 
@@ -118,13 +106,18 @@ __device__ __forceinline__ void store_partials(GateUpShared& sm, const float (&a
 template <int NB>
 __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
                                 const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
   uint32_t b_off[NB];
-  token_row_offsets<NB>(a, slots, n, b_off);
+  token_row_offsets<NB>(a, slots, n, g, b_off);
   float acc[NB][4];
   // Two blocks of 8 warps per SM (128 registers): 8 chunks per lane in flight with one
   // column block.
   decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
-  store_partials<NB>(sm, acc);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sm.partial[warp][nb][lane][i] = acc[nb][i];
+  }
 }
 
 __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
@@ -259,7 +252,7 @@ __device__ void staged_partial(const moefuse_decode_args& a, StagedShared& sm, c
                                const int* slots, int n) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, k8 = (lane & 3) * 8;
   uint32_t b_off[NB];
-  token_row_offsets<NB>(a, slots, n, b_off);
+  token_row_offsets<NB>(a, slots, n, g, b_off);
   float acc[NB][4];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
@@ -282,7 +275,11 @@ __device__ void staged_partial(const moefuse_decode_args& a, StagedShared& sm, c
     if (lane == 0) decode::barrier_arrive(&sm.empty[pos.stage]);
     pos.next();
   }
-  store_partials<NB>(sm.up, acc);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sm.up.partial[warp][nb][lane][i] = acc[nb][i];
+  }
 }
 
 __global__ void __launch_bounds__(kStagedThreads, 1) decode_gate_up_staged_kernel(moefuse_decode_args a) {
