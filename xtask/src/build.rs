@@ -110,9 +110,37 @@ fn eta(compiled_secs: &[f64], left: usize, jobs: usize) -> String {
     format!("ETA ≤{}m{:02}s", secs / 60, secs % 60)
 }
 
+/// The fat MoE objects that hold tensor-core GEMM kernels, and the archs whose image must
+/// carry that arch's tensor-core SASS (the other archs' images hold a trap the launcher's
+/// capability check keeps from running: their twins are not written yet).
+const FAT_TENSOR_CORE: &[(&str, &[Arch])] = &[
+    ("gate_up_fused", &[Arch::Sm90a, Arch::Sm100a]),
+    ("down_dgrad_fused", &[Arch::Sm90a]),
+    ("down_scatter", &[Arch::Sm90a]),
+];
+
+/// The tensor-core SASS instructions of `arch`.
+fn tensor_core_ops(arch: Arch) -> (&'static str, &'static [&'static str]) {
+    match arch {
+        Arch::Sm90a => ("sm_90a", &["HGMMA"]),
+        Arch::Sm100a => ("sm_100a", &["UTCHMMA", "UTCQMMA"]),
+    }
+}
+
+/// The SASS of one arch's ELF in a `cuobjdump --dump-sass` listing of a fat object.
+fn sass_of_arch<'a>(sass: &'a str, elf: &str) -> &'a str {
+    let marker = format!("arch = {elf}\n");
+    let Some(start) = sass.find(&marker) else {
+        return "";
+    };
+    let rest = &sass[start + marker.len()..];
+    rest.find("arch = sm_").map_or(rest, |end| &rest[..end])
+}
+
 /// Checks every kernel object: an arch's object carries that arch's ELF and its SASS has the
 /// tensor-core instruction of that arch (HGMMA on sm_90a, UTCHMMA/UTCQMMA on sm_100a); a fat
-/// object (built for every selected arch) carries every selected arch's ELF and SASS.
+/// object (built for every selected arch) carries every selected arch's ELF and SASS, and
+/// those in `FAT_TENSOR_CORE` their GEMM kernels' tensor-core SASS in each listed arch's image.
 pub fn inspect(sm: &str) -> Result<()> {
     let objects = build_kernels(sm, None)?;
     let archs = parse_archs(sm).map_err(|e| e.to_string())?;
@@ -148,13 +176,39 @@ pub fn inspect(sm: &str) -> Result<()> {
         if !missing.is_empty() || functions == 0 {
             failures.push(obj.unit.label());
         }
+        let stem = obj
+            .unit
+            .source
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy();
+        if let Some((_, twins)) = FAT_TENSOR_CORE.iter().find(|(name, _)| *name == stem) {
+            for &arch in archs.iter() {
+                let (elf, mma) = tensor_core_ops(arch);
+                let count: usize = mma
+                    .iter()
+                    .map(|m| sass_of_arch(&sass, elf).matches(m).count())
+                    .sum();
+                let required = twins.contains(&arch);
+                println!(
+                    "  {:<70} {elf} {}: {count}{}",
+                    "",
+                    mma.join("/"),
+                    if required {
+                        ""
+                    } else {
+                        " (no twin for this arch yet)"
+                    }
+                );
+                if required && count == 0 {
+                    failures.push(format!("{} ({elf} tensor-core SASS)", obj.unit.label()));
+                }
+            }
+        }
     }
     for obj in objects.iter().filter(|o| o.unit.arch.is_some()) {
         let arch = obj.unit.arch.expect("filtered");
-        let (elf, mma): (&str, &[&str]) = match arch {
-            Arch::Sm90a => ("sm_90a", &["HGMMA"]),
-            Arch::Sm100a => ("sm_100a", &["UTCHMMA", "UTCQMMA"]),
-        };
+        let (elf, mma) = tensor_core_ops(arch);
         let list = cuobjdump(&tc, "--list-elf", obj)?;
         if obj.unit.kind == UnitKind::NvshmemModule {
             // Communication kernels: no tensor cores to look for, only the arch's ELF.
@@ -206,4 +260,19 @@ fn cuobjdump(tc: &Toolchain, flag: &str, obj: &Object) -> Result<String> {
         ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_arch_of_a_fat_listing() {
+        let sass = "Fatbin elf code:\narch = sm_90a\n  HGMMA.64x256x16\nFatbin elf code:\narch = sm_100a\n  UTCHMMA\n  TRAP\n";
+        assert!(sass_of_arch(sass, "sm_90a").contains("HGMMA"));
+        assert!(!sass_of_arch(sass, "sm_90a").contains("UTCHMMA"));
+        assert!(sass_of_arch(sass, "sm_100a").contains("UTCHMMA"));
+        assert!(!sass_of_arch(sass, "sm_100a").contains("HGMMA"));
+        assert_eq!(sass_of_arch(sass, "sm_120a"), "");
+    }
 }

@@ -8,7 +8,7 @@ use crate::EpError;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moefuse::gpu::{
-    activation_forward, gate_up_fused, gate_up_fused_preferred, gate_up_fused_supported, route,
+    activation_forward, gate_up_fused, gate_up_fused_auto, gate_up_fused_preferred, route,
     ActivationDesc, DeviceErrors, GateUpInputs, GateUpRows, Mode, Rows,
 };
 use moefuse::MoeConfig;
@@ -67,8 +67,8 @@ pub(crate) struct ExchangeLayer {
     h_pre: CudaSlice<bf16>,
     h: CudaSlice<bf16>,
     y_e: CudaSlice<bf16>,
-    /// The device runs the fused gate_up ([`gate_up_fused_supported`]).
-    fused_ok: bool,
+    /// The copied exchange's gate_up may be the fused one ([`gate_up_fused_auto`]: sm_90a).
+    fused_auto: bool,
     /// The forward's exchange reads rows in place ([`RowDelivery::Pull`]).
     pull: bool,
     /// The launch layer (the pulled forward's scattered down GEMM).
@@ -123,7 +123,9 @@ impl ExchangeLayer {
             config.gate_up_width(),
             config.top_k,
         );
-        let fused_ok = gate_up_fused_supported(stream)?;
+        // The pulled path needs the sm_90a kernels (the fused gate_up and the scattered down
+        // GEMM), as does the copied path's fused gate_up.
+        let fused_ok = gate_up_fused_auto(stream)?;
         let exchange = EpConfig::new(config.experts, k, d, max_tokens);
         let ep = match delivery.resolve(fused_ok, runtime.ranks())? {
             // Auto falls back to copies where the peers are not load/store reachable: every
@@ -177,7 +179,7 @@ impl ExchangeLayer {
             // them there), never into a local y_e.
             y_e: stream.alloc_zeros(if pull { 1 } else { rows * d })?,
             kernels: Kernels::new(stream.context())?,
-            fused_ok,
+            fused_auto: fused_ok,
             pull,
             errors: DeviceErrors::new(stream)?,
             ep,
@@ -346,7 +348,7 @@ impl ExchangeLayer {
         // gate_up GEMM over them with the activation in its epilogue (h_pre only in
         // Training, for the backward). Its tile order follows the launch's rows, here the
         // receive capacity (every rank's worst case), not this call's count.
-        if self.fused_ok && gate_up_fused_preferred(&cfg, tokens * ranks) {
+        if self.fused_auto && gate_up_fused_preferred(&cfg, tokens * ranks) {
             let inputs = GateUpInputs {
                 tokens: recv,
                 top_k: 1,
@@ -522,7 +524,7 @@ pub enum RowDelivery {
 }
 
 impl RowDelivery {
-    /// The delivery a layer uses (`fused_ok`: the device runs the fused gate_up; `ranks`
+    /// The delivery a layer uses (`fused_ok`: the device runs the sm_90a fused kernels; `ranks`
     /// in the world): [`RowDelivery::Copy`] or [`RowDelivery::Pull`] (a Pull that cannot
     /// apply is an error).
     pub(crate) fn resolve(self, fused_ok: bool, ranks: usize) -> Result<Self, EpError> {

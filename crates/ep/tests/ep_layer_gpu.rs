@@ -248,8 +248,10 @@ fn check_pulled(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Resul
     if ranks < 2 {
         return Ok(()); // one rank exchanges nothing
     }
-    if !moefuse::gpu::gate_up_fused_supported(stream).map_err(e)? {
-        println!("rank {rank}: pulled rows SKIPPED: this device does not run the fused gate_up");
+    if !moefuse::gpu::gate_up_fused_auto(stream).map_err(e)? {
+        println!(
+            "rank {rank}: pulled rows SKIPPED: this device does not run the sm_90a fused kernels"
+        );
         return Ok(());
     }
     let tokens = tokens_of(ranks);
@@ -438,11 +440,11 @@ fn one_pe_layer(ctx: &Arc<CudaContext>) -> Result<(), String> {
 fn rank_main() -> Result<(), String> {
     let (rt, stream, seed) = common::join()?;
     check_rank(&rt, &stream, seed, RowDelivery::Copy)?;
-    if moefuse::gpu::gate_up_fused_supported(&stream).map_err(e)? {
+    if moefuse::gpu::gate_up_fused_auto(&stream).map_err(e)? {
         check_rank(&rt, &stream, seed ^ 0x70, RowDelivery::Pull)?;
     } else {
         println!(
-            "rank {}: pulled Training SKIPPED: no fused gate_up on this device",
+            "rank {}: pulled Training SKIPPED: no sm_90a fused kernels on this device",
             rt.rank()
         );
     }

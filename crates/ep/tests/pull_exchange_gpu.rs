@@ -250,7 +250,7 @@ fn round_trip(
 
 /// Every case on this rank's runtime, two seeds each.
 fn all_cases(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, seed: u64) -> Result<(), String> {
-    if !moefuse::gpu::gate_up_fused_supported(stream).map_err(e)? {
+    if !moefuse::gpu::gate_up_fused_auto(stream).map_err(e)? {
         println!("SKIPPED pulled exchange: this device does not run the sm_90a MoE kernels");
         return Ok(());
     }

@@ -226,7 +226,8 @@ const SMALL: Case = Case {
     empty_every: 5,
 };
 
-/// Not an sm_90a device: the call is refused with an arch error before anything runs.
+/// Neither an sm_90a nor an sm_100a device: the call is refused with an arch error before
+/// anything runs.
 fn refused_elsewhere(s: &Arc<CudaStream>) -> Result<bool, String> {
     if gpu::gate_up_fused_supported(s).map_err(err("supported"))? {
         return Ok(false);

@@ -13,8 +13,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use layer_common::{build, cases, check_case, e, f32s, inputs, to_bf, Built};
 use moefuse::gpu::{
-    gate_up_fused_supported, ActivationBackwardPath, GateUpPath, Gradients, Mode, MoeLayer,
-    MoePlan, MoeWorkspace, Routing, Weights,
+    gate_up_fused_auto, gate_up_fused_supported, ActivationBackwardPath, GateUpPath, Gradients,
+    Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
 };
 use moefuse::model::MoeWeights;
 
@@ -38,7 +38,7 @@ fn layer_cases_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// layer's own rule leaves it off at these sizes), and with it apart.
 fn layer_cases_activation_backward(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
-    if !gate_up_fused_supported(&stream).map_err(e)? {
+    if !gate_up_fused_auto(&stream).map_err(e)? {
         println!("SKIP fused activation backward: not an sm_90a device or build");
         return cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused, None);
     }
@@ -279,7 +279,7 @@ fn workspace_follows_the_paths(ctx: &Arc<CudaContext>) -> Result<(), String> {
             layer.workspace_bytes()
         ));
     }
-    if !gate_up_fused_supported(&stream).map_err(e)? {
+    if !gate_up_fused_auto(&stream).map_err(e)? {
         println!("SKIP workspace_follows_the_paths' fused half: not an sm_90a device or build");
         return Ok(());
     }
@@ -326,7 +326,9 @@ fn workspace_follows_the_paths(ctx: &Arc<CudaContext>) -> Result<(), String> {
 fn inference_workspace_keeps_h_and_y_e(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     if !gate_up_fused_supported(&stream).map_err(e)? {
-        println!("SKIP inference_workspace_keeps_h_and_y_e: not an sm_90a device or build");
+        println!(
+            "SKIP inference_workspace_keeps_h_and_y_e: no fused gate_up on this device or build"
+        );
         return Ok(());
     }
     let case = &cases()[0];

@@ -1,12 +1,14 @@
 // Host launcher of the fused gate_up (moe_abi.h: moefuse_moe_gate_up_fused): checks, the two
 // tensor maps (x gathered row by row, W_e in 128-row boxes) and the persistent launch of
-// kernel/sm90_gate_up_fused.cuh. A fat object like the other MoE kernels: its sm_90a image
-// carries the kernel, any other image a trap the capability check keeps from running.
+// kernel/sm90_gate_up_fused.cuh on compute capability 9.0, kernel/sm100_gate_up_fused.cuh on
+// 10.0. A fat object like the other MoE kernels: each arch's image carries its own kernel,
+// the other one a trap the capability check keeps from running.
 
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "moefuse/common/cluster_launch.cuh"
 #include "moefuse/common/stride.hpp"
 #include "moefuse/common/tensor_map.hpp"
+#include "moefuse/kernel/sm100_gate_up_fused.cuh"
 #include "moefuse/kernel/sm90_gate_up_fused.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
@@ -59,6 +61,38 @@ static_assert(SmemB{}.layout_b()(8, 0, 0) == 8 * 64 && SmemB{}.layout_b()(128, 0
                   SmemB{}.layout_b()(0, 0, 1) == 256 * 64,
               "fused gate_up: B stage rows are not 128-byte rows of a 256 x 64 tile");
 
+// Blackwell: CUTLASS's 1-SM UMMA collective for the layouts and the tiled MMA (128 x 256 x
+// 64 tiles, as on Hopper), stages sized beside this kernel's own shared storage.
+using Table100 = sched::ContiguousGroupTable<kMaxGroups>;
+using CarveOut100 = cute::Int<int(sizeof(Table100)) + 256>;
+using Mainloop100 = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm100, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
+    cutlass::layout::ColumnMajor, 8, float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
+    cutlass::gemm::collective::StageCountAutoCarveout<CarveOut100::value>,
+    cutlass::gemm::KernelTmaWarpSpecialized1SmSm100>::CollectiveOp;
+using Kernel100 = kernel::Sm100GateUpFused<Mainloop100, kMaxGroups>;
+using KernelPeer100 = kernel::Sm100GateUpFused<Mainloop100, kMaxGroups, true>;
+static_assert(Kernel100::kSharedBytes <= 232448, "sm100 fused gate_up: shared storage over the 227 KB a CTA may use");
+
+// The producer writes where the UMMA layouts read (the Hopper asserts above, in the UMMA
+// layouts' ((M, K), m, k, stage) coordinates): rows of 128 bytes, 16-element k-blocks
+// side by side in a row, stages one tile apart, the 128-byte swizzle.
+using SmemA100 = typename Mainloop100::SmemLayoutA;
+using SmemB100 = typename Mainloop100::SmemLayoutB;
+static_assert(cute::is_same_v<decltype(SmemA100{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
+                  cute::is_same_v<decltype(SmemB100{}.layout_a()), cute::Swizzle<3, 4, 3>>,
+              "sm100 fused gate_up: A and B stages must use the 128-byte swizzle");
+static_assert(SmemA100{}.layout_b()(cute::make_coord(cute::make_coord(1, 0), 0, 0, 0)) == 64 &&
+                  SmemA100{}.layout_b()(cute::make_coord(cute::make_coord(0, 1), 0, 0, 0)) == 1 &&
+                  SmemA100{}.layout_b()(cute::make_coord(cute::make_coord(0, 0), 0, 1, 0)) == 16 &&
+                  SmemA100{}.layout_b()(cute::make_coord(cute::make_coord(0, 0), 0, 0, 1)) == 128 * 64,
+              "sm100 fused gate_up: A stage rows are not 128-byte rows of a 128 x 64 tile");
+static_assert(SmemB100{}.layout_b()(cute::make_coord(cute::make_coord(1, 0), 0, 0, 0)) == 64 &&
+                  SmemB100{}.layout_b()(cute::make_coord(cute::make_coord(128, 0), 0, 0, 0)) == 128 * 64 &&
+                  SmemB100{}.layout_b()(cute::make_coord(cute::make_coord(0, 0), 0, 1, 0)) == 16 &&
+                  SmemB100{}.layout_b()(cute::make_coord(cute::make_coord(0, 0), 0, 0, 1)) == 256 * 64,
+              "sm100 fused gate_up: B stage rows are not 128-byte rows of a 256 x 64 tile");
+
 moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
   if (!known_activation(a->activation, a->layout)) {
@@ -105,8 +139,12 @@ moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
   return MOEFUSE_STATUS_OK;
 }
 
-template <class Params>
-moefuse_status params_of(const moefuse_gate_up_args& a, Params& p) {
+// Whether kernel K is a Hopper one (its Params carry the sm90 collective's).
+template <class K>
+constexpr bool kHopper = cute::is_same_v<typename K::Mainloop, Mainloop>;
+
+template <class K>
+moefuse_status params_of(const moefuse_gate_up_args& a, typename K::Params& p) {
   using namespace cute;
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int64_t width = gated ? 2 * int64_t(a.intermediate) : a.intermediate;
@@ -122,16 +160,19 @@ moefuse_status params_of(const moefuse_gate_up_args& a, Params& p) {
                                      {cuuint64_t(a.hidden) * 2}, {64, 128}, "x rows");
     if (st != MOEFUSE_STATUS_OK) return st;
   }
-  // The collective's own Params, never read by mma() (see the kernel): built over the same
-  // operands as a dense problem so every map in it is valid.
-  using StrideA = typename Mainloop::StrideA;
-  using StrideB = typename Mainloop::StrideB;
-  StrideA sa = leading_stride<StrideA>(a.hidden);
-  get<2>(sa) = 0;
-  StrideB sb = leading_stride<StrideB>(a.hidden);
-  get<2>(sb) = width * a.hidden;
-  typename Mainloop::Arguments args{reinterpret_cast<const Element*>(x), sa, reinterpret_cast<const Element*>(a.w), sb};
-  p.mainloop = Mainloop::to_underlying_arguments(make_shape(int(tokens), int(width), a.hidden, 1), args, nullptr);
+  if constexpr (kHopper<K>) {
+    // The collective's own Params, never read by mma() (see the kernel): built over the same
+    // operands as a dense problem so every map in it is valid.
+    using StrideA = typename Mainloop::StrideA;
+    using StrideB = typename Mainloop::StrideB;
+    StrideA sa = leading_stride<StrideA>(a.hidden);
+    get<2>(sa) = 0;
+    StrideB sb = leading_stride<StrideB>(a.hidden);
+    get<2>(sb) = width * a.hidden;
+    typename Mainloop::Arguments args{reinterpret_cast<const Element*>(x), sa, reinterpret_cast<const Element*>(a.w),
+                                      sb};
+    p.mainloop = Mainloop::to_underlying_arguments(make_shape(int(tokens), int(width), a.hidden, 1), args, nullptr);
+  }
   const int band = (a.tile_order >> 8) & 0xff;
   p.offsets = a.offsets;
   p.source_of = a.source_of;
@@ -171,14 +212,28 @@ bool cluster_pairs(const moefuse_gate_up_args& a) {
 template <class K>
 moefuse_status launch(const moefuse_gate_up_args& a, int sms, cudaStream_t stream, const char* name) {
   typename K::Params p{};
-  moefuse_status st = params_of(a, p);
+  moefuse_status st = params_of<K>(a, p);
   if (st != MOEFUSE_STATUS_OK) return st;
   constexpr int kCluster = K::kClusterM;
   const int h_cols = K::h_cols_per_tile(a.activation);
   const int64_t n_blocks = (a.intermediate + h_cols - 1) / h_cols;
   const int64_t max_units = (int64_t(p.max_rows) / (K::kTileM * kCluster) + a.experts) * n_blocks;
-  return moefuse::launch_on_clusters<kCluster, &moefuse::kernel::sm90_gate_up_fused_kernel<K>>(
-      K::kThreads, K::kSharedBytes, sms, max_units, stream, name, p);
+  if constexpr (kHopper<K>) {
+    return moefuse::launch_on_clusters<kCluster, &moefuse::kernel::sm90_gate_up_fused_kernel<K>>(
+        K::kThreads, K::kSharedBytes, sms, max_units, stream, name, p);
+  } else {
+    return moefuse::launch_on_clusters<kCluster, &moefuse::kernel::sm100_gate_up_fused_kernel<K>>(
+        K::kThreads, K::kSharedBytes, sms, max_units, stream, name, p);
+  }
+}
+
+// The compute capability's major number of the current device (9 and 10 have kernels).
+moefuse_status device_major(int* major) {
+  int device = 0;
+  moefuse_status st = moefuse::from_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  return moefuse::from_cuda(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device),
+                            "cudaDeviceGetAttribute(major)");
 }
 
 }  // namespace
@@ -190,11 +245,16 @@ extern "C" moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* 
   const char* name = "moefuse_moe_gate_up_fused";
   moefuse_status st = check(a, name);
   if (st != MOEFUSE_STATUS_OK) return st;
-  int device = 0, sms = 0;
-  st = moefuse::check_device(9, 0, name, &sms, &device);
+  int device = 0, sms = 0, major = 0;
+  st = device_major(&major);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  st = moefuse::check_device(major == 10 ? 10 : 9, 0, name, &sms, &device);
   if (st != MOEFUSE_STATUS_OK) return st;
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
   const auto s = static_cast<cudaStream_t>(stream);
+  if (major == 10) {  // single CTAs (kernel/sm100_gate_up_fused.cuh)
+    return a->peers > 0 ? launch<KernelPeer100>(*a, sms, s, name) : launch<Kernel100>(*a, sms, s, name);
+  }
   if (a->peers > 0) {
     return cluster_pairs(*a) ? launch<KernelPeerPair>(*a, sms, s, name) : launch<KernelPeer>(*a, sms, s, name);
   }

@@ -1,8 +1,9 @@
 //! The fused stages on the GPU: [`gate_up_fused`] gathers the token rows of `x` inside the
 //! gate_up GEMM's producer and applies the activation in its epilogue
-//! (kernel/sm90_gate_up_fused.cuh), so no `x_perm` copy is written and `h_pre` only when a
-//! backward needs it. Hopper (`sm_90a`) only: [`gate_up_fused_supported`] says whether the
-//! stream's device runs it.
+//! (kernel/sm90_gate_up_fused.cuh; kernel/sm100_gate_up_fused.cuh on Blackwell), so no
+//! `x_perm` copy is written and `h_pre` only when a backward needs it.
+//! [`gate_up_fused_supported`] says whether the stream's device runs it,
+//! [`gate_up_fused_auto`] whether the layer's automatic choices take it there.
 
 use super::{kernels_for, ActivationDesc, DeviceErrors};
 use crate::MoeError;
@@ -35,8 +36,8 @@ pub struct GateUpInputs<'a> {
     pub w: &'a dyn DevicePtr<bf16>,
 }
 
-/// Whether [`gate_up_fused`] runs on `stream`'s device (compute capability 9.0 and a build
-/// with the MoE kernels for `sm_90a`).
+/// Whether [`gate_up_fused`] runs on `stream`'s device: compute capability 9.0 with the MoE
+/// kernels built for `sm_90a`, or 10.0 with them built for `sm_100a`.
 ///
 /// ```no_run
 /// let ctx = cudarc::driver::CudaContext::new(0)?;
@@ -44,6 +45,23 @@ pub struct GateUpInputs<'a> {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn gate_up_fused_supported(stream: &Arc<CudaStream>) -> Result<bool, MoeError> {
+    let kernels = Kernels::new(stream.context())?;
+    Ok(gate_up_runs_on(&kernels))
+}
+
+/// Whether the automatic choices ([`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto), the
+/// expert-parallel layer's gate_up) may take the fused gate_up on `stream`'s device: on
+/// `sm_90a`, where it was verified and measured. The `sm_100a` kernel is built and its SASS
+/// checked, but no B200 has run it yet: there it runs only when asked for
+/// ([`MoeLayer::set_gate_up_path`](crate::gpu::MoeLayer::set_gate_up_path), a pulled
+/// expert-parallel delivery, or [`gate_up_fused`] itself).
+///
+/// ```no_run
+/// let ctx = cudarc::driver::CudaContext::new(0)?;
+/// println!("Auto may fuse: {}", moefuse::gpu::gate_up_fused_auto(&ctx.default_stream())?);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn gate_up_fused_auto(stream: &Arc<CudaStream>) -> Result<bool, MoeError> {
     let kernels = Kernels::new(stream.context())?;
     Ok(supported_by(&kernels))
 }
@@ -148,8 +166,16 @@ pub fn fused_activation_backward_preferred(cfg: &crate::MoeConfig) -> bool {
     cfg.hidden >= FUSED_ACTIVATION_BWD_MIN_HIDDEN
 }
 
+/// The `sm_90a` fused kernels (gate_up, down dgrad) run here and Auto may take them.
 pub(super) fn supported_by(kernels: &Kernels) -> bool {
     kernels.arch() == VariantArch::Sm90a && mk::built_archs().contains(&VariantArch::Sm90a.name())
+}
+
+/// The fused gate_up runs here (`sm_90a` or `sm_100a`, built).
+pub(super) fn gate_up_runs_on(kernels: &Kernels) -> bool {
+    let arch = kernels.arch();
+    matches!(arch, VariantArch::Sm90a | VariantArch::Sm100a)
+        && mk::built_archs().contains(&arch.name())
 }
 
 /// `h [T·k, I] = act(x[source_of / top_k] · W_eᵀ)` per expert (and `h_pre [T·k, W]`, the

@@ -66,9 +66,9 @@ pub use decode::{
 };
 pub use errors::DeviceErrors;
 pub use fused::{
-    fused_activation_backward_preferred, gate_up_fused, gate_up_fused_preferred,
-    gate_up_fused_supported, GateUpInputs, GateUpRows, PeerRows, FUSED_ACTIVATION_BWD_MIN_HIDDEN,
-    FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
+    fused_activation_backward_preferred, gate_up_fused, gate_up_fused_auto,
+    gate_up_fused_preferred, gate_up_fused_supported, GateUpInputs, GateUpRows, PeerRows,
+    FUSED_ACTIVATION_BWD_MIN_HIDDEN, FUSED_GATE_UP_MAX_ROWS_PER_EXPERT, FUSED_GATE_UP_MIN_EXPERTS,
     FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT,
 };
 pub use layer::{

@@ -1,0 +1,366 @@
+// Blackwell (sm_100a) fused gate_up of the MoE layer: the contract of the Hopper kernel
+// (kernel/sm90_gate_up_fused.cuh: rows of x gathered by `source_of`, or taken in order in
+// the contiguous mode, or read from the ranks' x in place with kPeerRows; the activation
+// applied to the fp32 accumulators; h and, when training, h_pre stored for the group's rows
+// only) on UMMA (tcgen05) with the accumulators in tensor memory:
+//
+//   warp   role
+//   0-3    producers (kernel/gate_up_gather.cuh, the Hopper kernel's own): tile row t of x
+//          by 16-byte cp.async per thread, W_e's two 128-row boxes by TMA (thread 0);
+//          warp 1 first builds the group table
+//   4      MMA: allocates the tensor memory (two accumulator stages of 128 lanes x 256 fp32
+//          columns: all 512 columns, one CTA per SM), issues the 128 x 256 x 16 UMMAs of a
+//          k-block from shared memory (one elected thread), frees each stage with a commit
+//          on its empty barrier and hands a finished accumulator to the epilogue with a
+//          commit on the accumulator's full barrier
+//   5-8    epilogue: warp w reads tensor-memory lanes 32 (w % 4) .. 32 (w % 4) + 31 (the
+//          32 tile rows it may access), one row per thread, 32 columns per load; applies the
+//          activation and stores h (and h_pre) from registers, 16 bytes per store
+//
+// Two accumulator stages let the epilogue of tile i run while the MMAs of tile i + 1 do.
+// Single CTAs only (no W_e multicast to pairs yet: the 2-SM UMMA is the next step).
+//
+// Composition: CUTLASS's sm100 UMMA collective gives the shared-memory layouts (asserted
+// to be the producer's), the tiled MMA and the stage count; the pipelines are CUTLASS's
+// (the Hopper TMA pipeline for the stages, whose full barrier counts the producer's 129
+// arrivals; the UMMA pipeline for the accumulators); the MMA loop, the tensor-memory
+// epilogue and the tile order (sched::ContiguousGroupScheduler) are ours.
+// NOTES: not yet run on a B200 (none can be reached from this project's machines); it is
+// built and its SASS checked in CI, and the layer's Auto policy does not pick it until the
+// fused_gpu / layer_gpu tests have passed on one (`set_gate_up_path` can).
+#pragma once
+
+#include <cuda.h>
+
+#include <utility>
+
+#include "cute/arch/copy_sm100.hpp"
+#include "cute/arch/tmem_allocator_sm100.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "moefuse/kernel/gate_up_gather.cuh"
+#include "moefuse/moe/activation_math.cuh"
+#include "moefuse/moe_abi.h"
+#include "moefuse/sched/grouped_contiguous.cuh"
+
+namespace moefuse::kernel {
+
+template <class Mainloop_, int kMaxGroups_, bool kPeerRows_ = false>
+struct Sm100GateUpFused {
+  using Mainloop = Mainloop_;
+  using TileShape = typename Mainloop::TileShape;
+  using TiledMma = typename Mainloop::TiledMma;
+  using SmemLayoutA = typename Mainloop::SmemLayoutA;
+  using SmemLayoutB = typename Mainloop::SmemLayoutB;
+  static constexpr int kMaxGroups = kMaxGroups_;
+  static constexpr int kClusterM = 1;
+  static constexpr bool kPeerRows = kPeerRows_;
+  static constexpr int kMaxPeers = MOEFUSE_GATE_UP_MAX_PEERS;
+  static constexpr int kTileM = cute::size<0>(TileShape{});
+  static constexpr int kTileN = cute::size<1>(TileShape{});
+  static constexpr int kTileK = cute::size<2>(TileShape{});
+  static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
+  using Gather = GateUpGather<kTileM, kTileN, kTileK, kClusterM, kPeerRows, kMaxPeers>;
+  using Scheduler = sched::ContiguousGroupScheduler<kTileM, kClusterM, kMaxGroups>;
+  static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1,
+                "sm100 fused gate_up: a 1-SM collective (no pairs)");
+
+  // Stages: 129 producer arrivals (Gather), freed by one UMMA commit.
+  using StagePipeline = cutlass::PipelineTmaAsync<kStages>;
+  using StageState = cutlass::PipelineState<kStages>;
+  static constexpr int kAccStages = 2;
+  using AccPipeline = cutlass::PipelineUmmaAsync<kAccStages>;
+  using AccState = typename AccPipeline::PipelineState;
+  static constexpr uint32_t kAccColumns = kTileN;  // fp32: one column per accumulator column
+  static_assert(kAccStages * kAccColumns == 512, "sm100 fused gate_up: two accumulators fill the tensor memory");
+
+  static constexpr int kProducerWarps = 4;
+  static constexpr int kMmaWarp = 4;
+  static constexpr int kEpilogueWarps = 4;
+  static constexpr int kEpilogueThreads = kEpilogueWarps * 32;
+  static constexpr int kThreads = (kProducerWarps + 1 + kEpilogueWarps) * 32;
+  static constexpr int kColsPerLoad = 32;
+
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename StagePipeline::SharedStorage stages;
+    alignas(16) typename AccPipeline::SharedStorage accumulators;
+    alignas(16) typename Scheduler::Table groups;
+    uint32_t tmem_base;
+  };
+  static constexpr int kSharedBytes = int(sizeof(SharedStorage));
+
+  // The Hopper kernel's parameters without its collective's (this kernel builds its MMA
+  // operands from the shared-memory layouts alone).
+  struct Params {
+    CUtensorMap tmap_w;     // w [E, W, hidden]: box 64 x 128 x 1, 128-byte swizzle
+    CUtensorMap tmap_rows;  // contiguous only: x [max_rows, hidden] (rows in order): box 64 x 128
+    const int32_t* offsets;
+    const int32_t* source_of;
+    const cutlass::bfloat16_t* x;
+    cutlass::bfloat16_t* h;
+    cutlass::bfloat16_t* h_pre;
+    uint32_t* errors;
+    int groups;
+    int max_rows;
+    int top_k;
+    int hidden;
+    int inter;
+    int width;
+    int act;
+    int layout;
+    float alpha;
+    float limit;
+    int band;
+    int n_fast;
+    int interleave;
+    int peers;
+    int peer_rows;
+    const cutlass::bfloat16_t* peer_x[kMaxPeers];
+  };
+
+  CUTE_HOST_DEVICE static int h_cols_per_tile(int act) { return Gather::h_cols_per_tile(act); }
+
+  // ---- tensor memory ----------------------------------------------------------------------
+
+  // Columns [col, col + 32) of this warp's 32 lanes at `taddr` (lane base in bits 16..31),
+  // as fp32, one row per thread. Warp-collective.
+  template <size_t... I>
+  CUTE_DEVICE static void tmem_load(uint32_t taddr, float (&v)[kColsPerLoad], std::index_sequence<I...>) {
+    uint32_t r[kColsPerLoad];
+    cute::SM100_TMEM_LOAD_32dp32b32x::copy(taddr, r[I]...);
+    cutlass::arch::fence_view_async_tmem_load();
+    ((v[I] = __uint_as_float(r[I])), ...);
+  }
+  CUTE_DEVICE static void tmem_load(uint32_t taddr, float (&v)[kColsPerLoad]) {
+    tmem_load(taddr, v, std::make_index_sequence<kColsPerLoad>{});
+  }
+  // tcgen05 ordering around the accumulator barriers (thread syncs between the MMA warp's
+  // tensor-memory writes and the epilogue's reads).
+  CUTE_DEVICE static void tmem_fence_before_sync() { asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory"); }
+  CUTE_DEVICE static void tmem_fence_after_sync() { asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory"); }
+
+  // ---- epilogue ---------------------------------------------------------------------------
+
+  // `n` values (a multiple of 8) as bf16 to dst[0, n), 16 bytes per store, the 8-column
+  // chunks at or past `limit` columns skipped (inter and width are multiples of 8).
+  template <int N>
+  CUTE_DEVICE static void store_row(cutlass::bfloat16_t* dst, const float (&v)[N], int limit) {
+    static_assert(N % 8 == 0, "whole 16-byte chunks");
+    CUTE_UNROLL
+    for (int q = 0; q < N / 8; ++q) {
+      if (q * 8 >= limit) break;
+      uint4 chunk;
+      uint32_t* w = reinterpret_cast<uint32_t*>(&chunk);
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 pair = __float22bfloat162_rn(make_float2(v[q * 8 + 2 * i], v[q * 8 + 2 * i + 1]));
+        w[i] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+      *reinterpret_cast<uint4*>(dst + q * 8) = chunk;
+    }
+  }
+
+  // One tile row (this thread's) of one accumulator: h, and h_pre when training. `acc` is
+  // the tensor-memory address of the accumulator at this warp's lane base; `row` is the
+  // global row or -1 past the group (the loads are warp-collective, the stores masked).
+  template <int Act, bool kSplit>
+  CUTE_DEVICE static void store_tile_row(Params const& p, uint32_t acc, int64_t row, int n_block) {
+    constexpr bool kRelu2 = Act == MOEFUSE_ACTIVATION_RELU2;
+    constexpr int kHCols = kRelu2 ? kTileN : kTileN / 2;
+    const bool live = row >= 0;
+    const int hcol0 = n_block * kHCols;
+    cutlass::bfloat16_t* h = p.h + (live ? row : 0) * p.inter;
+    cutlass::bfloat16_t* h_pre = p.h_pre == nullptr ? nullptr : p.h_pre + (live ? row : 0) * p.width;
+    if constexpr (kSplit) {
+      // Columns c and 128 + c: gate and up of h column hcol0 + c.
+      CUTE_UNROLL
+      for (int c0 = 0; c0 < kTileN / 2; c0 += kColsPerLoad) {
+        float g[kColsPerLoad], u[kColsPerLoad], out[kColsPerLoad];
+        __syncwarp();  // the loads are .sync.aligned: the whole warp, converged
+        tmem_load(acc + c0, g);
+        tmem_load(acc + kTileN / 2 + c0, u);
+        if (live) {
+          const int cols = p.inter - (hcol0 + c0);
+          if (h_pre != nullptr) {
+            store_row(h_pre + hcol0 + c0, g, cols);
+            store_row(h_pre + p.inter + hcol0 + c0, u, cols);
+          }
+          CUTE_UNROLL
+          for (int i = 0; i < kColsPerLoad; ++i) out[i] = moe::eval_as<Act>(p.alpha, p.limit, g[i], u[i]).h;
+          store_row(h + hcol0 + c0, out, cols);
+        }
+      }
+    } else {
+      // Interleaved (columns 2m, 2m + 1: gate and up of h column hcol0 + m) or RELU2
+      // (column c: h column hcol0 + c); h_pre in the weights' own column order.
+      constexpr int kOut = kRelu2 ? kColsPerLoad : kColsPerLoad / 2;
+      CUTE_UNROLL
+      for (int c0 = 0; c0 < kTileN; c0 += kColsPerLoad) {
+        float a[kColsPerLoad], out[kOut];
+        __syncwarp();
+        tmem_load(acc + c0, a);
+        if (live) {
+          if (h_pre != nullptr) store_row(h_pre + n_block * kTileN + c0, a, p.width - (n_block * kTileN + c0));
+          CUTE_UNROLL
+          for (int i = 0; i < kOut; ++i) {
+            out[i] = kRelu2 ? moe::eval_as<Act>(p.alpha, p.limit, a[i], 0.f).h
+                            : moe::eval_as<Act>(p.alpha, p.limit, a[2 * i], a[2 * i + 1]).h;
+          }
+          const int h0 = hcol0 + (kRelu2 ? c0 : c0 / 2);
+          store_row(h + h0, out, p.inter - h0);
+        }
+      }
+    }
+  }
+
+  CUTE_DEVICE static void store_tile(Params const& p, uint32_t acc, int64_t row, int n_block) {
+    const bool split = p.act != MOEFUSE_ACTIVATION_RELU2 && p.layout == MOEFUSE_GATE_UP_SPLIT;
+    // One straight-line body per (activation, layout), chosen once per tile.
+    moe::with_activation(p.act, [&](auto a) {
+      constexpr int kAct = decltype(a)::value;
+      if constexpr (kAct == MOEFUSE_ACTIVATION_RELU2) {
+        store_tile_row<kAct, false>(p, acc, row, n_block);
+      } else if (split) {
+        store_tile_row<kAct, true>(p, acc, row, n_block);
+      } else {
+        store_tile_row<kAct, false>(p, acc, row, n_block);
+      }
+    });
+  }
+
+  // ---- the kernel -------------------------------------------------------------------------
+
+  CUTE_DEVICE void operator()(Params const& p, char* smem) {
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL)
+    using namespace cute;
+    SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem);
+    const int thread_idx = int(threadIdx.x);
+    const int warp_idx = cutlass::canonical_warp_idx_sync();
+    const bool producer = warp_idx < kProducerWarps;
+    const bool mma = warp_idx == kMmaWarp;
+
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      cute::prefetch_tma_descriptor(&p.tmap_w);
+      if (p.source_of == nullptr) cute::prefetch_tma_descriptor(&p.tmap_rows);
+    }
+    if (warp_idx == 1) Scheduler::build(shared.groups, p.offsets, p.groups, p.max_rows);
+
+    using Category = typename StagePipeline::ThreadCategory;
+    typename StagePipeline::Params stage_params;
+    stage_params.role = producer ? Category::Producer : mma ? Category::Consumer : Category::NonParticipant;
+    stage_params.is_leader = thread_idx == 0;
+    stage_params.num_consumers = 1;  // the MMA warp's commit
+    stage_params.num_producers = 1 + Gather::kProducerThreads;
+    stage_params.transaction_bytes = 0;
+    stage_params.initializing_warp = 0;
+    StagePipeline stages(shared.stages, stage_params, Shape<_1, _1, _1>{});
+
+    using AccCategory = typename AccPipeline::ThreadCategory;
+    typename AccPipeline::Params acc_params;
+    acc_params.role = mma ? AccCategory::Producer : producer ? AccCategory::NonParticipant : AccCategory::Consumer;
+    acc_params.producer_arv_count = 1;
+    acc_params.consumer_arv_count = kEpilogueThreads;
+    acc_params.initializing_warp = 2;
+    AccPipeline accumulators(shared.accumulators, acc_params, Shape<_1, _1, _1>{});
+
+    cute::TMEM::Allocator1Sm tmem;
+    if (mma) {
+      tmem.allocate(cute::TMEM::Allocator1Sm::Sm100TmemCapacityColumns, &shared.tmem_base);
+      tmem.release_allocation_lock();
+    }
+    __syncthreads();  // barriers, the group table and the tensor-memory base visible to every role
+    const uint32_t tmem_base = shared.tmem_base;
+
+    const int n_blocks = (p.inter + h_cols_per_tile(p.act) - 1) / h_cols_per_tile(p.act);
+    const int k_tiles = (p.hidden + kTileK - 1) / kTileK;
+    const int total_rows = p.groups > 0 ? shared.groups.row_end[p.groups - 1] : 0;
+    Scheduler scheduler(shared.groups, n_blocks, p.band, p.n_fast != 0, p.interleave != 0, int(blockIdx.x),
+                        int(gridDim.x), 0);
+    sched::GroupTile tile;
+
+    if (producer) {
+      StageState write = cutlass::make_producer_start_state<StagePipeline>();
+      auto* smem_a = reinterpret_cast<cutlass::bfloat16_t*>(shared.tensors.smem_A.begin());
+      auto* smem_b = reinterpret_cast<cutlass::bfloat16_t*>(shared.tensors.smem_B.begin());
+      while (scheduler.next(tile)) {
+        Gather::load_tile(p, stages, write, smem_a, smem_b, tile, total_rows, k_tiles, thread_idx, 0);
+      }
+      // No exit with copies in flight: wait until the MMAs have freed every stage.
+      if (warp_idx == 0 && cute::elect_one_sync()) stages.producer_tail(write);
+      __syncwarp();
+    } else if (mma) {
+      TiledMma tiled_mma;
+      Tensor sA = make_tensor(make_smem_ptr(shared.tensors.smem_A.begin()), SmemLayoutA{});  // (MMA,MMA_M,MMA_K,PIPE)
+      Tensor sB = make_tensor(make_smem_ptr(shared.tensors.smem_B.begin()), SmemLayoutB{});  // (MMA,MMA_N,MMA_K,PIPE)
+      Tensor tCrA = TiledMma::make_fragment_A(sA);
+      Tensor tCrB = TiledMma::make_fragment_B(sB);
+      Tensor acc = TiledMma::make_fragment_C(
+          append(partition_shape_C(TiledMma{}, take<0, 2>(TileShape{})), Int<kAccStages>{}));  // (MMA,MMA_M,MMA_N,ACC)
+      acc.data() = tmem_base;
+      // The epilogue addresses accumulator stage s at column s * kAccColumns, row m at lane m.
+      using AccLayout = decltype(acc.layout());
+      static_assert(decltype(cute::stride<3>(AccLayout{}))::value == kAccColumns &&
+                        AccLayout{}(make_coord(make_coord(1, 0), 0, 0, 0)) == (1 << 16) &&
+                        AccLayout{}(make_coord(make_coord(0, 1), 0, 0, 0)) == 1,
+                    "sm100 fused gate_up: the accumulator is not row m at lane m, column n at column n, stages "
+                    "kAccColumns columns apart");
+      StageState read;
+      AccState fill = cutlass::make_producer_start_state<AccPipeline>();
+      while (scheduler.next(tile)) {
+        accumulators.producer_acquire(fill);  // the epilogue has read this accumulator
+        tmem_fence_after_sync();
+        Tensor acc_stage = acc(_, _, _, fill.index());
+        tiled_mma.accumulate_ = UMMA::ScaleOut::Zero;
+        for (int kb = 0; kb < k_tiles; ++kb) {
+          stages.consumer_wait(read);
+          // The gathered rows came by cp.async (the generic proxy); the UMMA reads through
+          // the async proxy.
+          cutlass::arch::fence_view_async_shared();
+          const int s = int(read.index());
+          CUTE_UNROLL
+          for (int k = 0; k < size<2>(tCrA); ++k) {
+            cute::gemm(tiled_mma, tCrA(_, _, k, s), tCrB(_, _, k, s), acc_stage);
+            tiled_mma.accumulate_ = UMMA::ScaleOut::One;
+          }
+          // Frees the stage once these UMMAs have read it.
+          cutlass::arch::umma_arrive(reinterpret_cast<uint64_t*>(&shared.stages.empty_barrier_[s]));
+          ++read;
+        }
+        accumulators.producer_commit(fill);  // full once every UMMA of the tile is done
+        ++fill;
+      }
+      // Every accumulator read before the tensor memory is freed.
+      accumulators.producer_tail(fill);
+      tmem.free(tmem_base, cute::TMEM::Allocator1Sm::Sm100TmemCapacityColumns);
+    } else {
+      const int lane_base = (warp_idx % 4) * 32;  // the lanes this warp may access
+      const int r = lane_base + thread_idx % 32;  // this thread's tile row
+      AccState drain;
+      while (scheduler.next(tile)) {
+        accumulators.consumer_wait(drain);
+        tmem_fence_after_sync();
+        const uint32_t acc = tmem_base + (uint32_t(lane_base) << 16) + uint32_t(drain.index()) * kAccColumns;
+        const int64_t row = r < tile.rows ? int64_t(tile.row0) + r : -1;
+        store_tile(p, acc, row, tile.n_block);
+        tmem_fence_before_sync();
+        accumulators.consumer_release(drain);
+        ++drain;
+      }
+    }
+#else
+    // Built for another arch: the launcher's capability check keeps this from running.
+    __trap();
+#endif
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    sm100_gate_up_fused_kernel(const __grid_constant__ typename Kernel::Params params) {
+  extern __shared__ char smem[];
+  Kernel{}(params, smem);
+}
+
+}  // namespace moefuse::kernel
