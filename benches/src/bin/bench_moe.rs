@@ -115,12 +115,13 @@ fn main() -> Result<(), Error> {
         let gate_up = stream.clone_htod(&gate_up_h)?;
         let down = stream.clone_htod(&down_h)?;
         let plan = MoePlan::new(cfg, max_t)?;
-        let (train, infer) = (
+        let (mut train, mut infer) = (
             MoeLayer::new(&stream, &plan, Mode::Training)?,
             MoeLayer::new(&stream, &plan, Mode::Inference)?,
         );
-        // One workspace for both layers: what their paths need (the plan's size fits any).
-        let ws_bytes = train.workspace_bytes().max(infer.workspace_bytes());
+        // One workspace for both layers: what they need on every gate_up path the bench
+        // forces (the plan's size fits any).
+        let ws_bytes = workspace_for_every_path(&stream, [&mut train, &mut infer])?;
         let mut ws = MoeWorkspace::new(&stream, ws_bytes)?;
         for l in [&train, &infer] {
             println!("  {model} max_t{max_t} memory, {}", l.memory());
@@ -157,6 +158,32 @@ fn main() -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// The workspace `layers` need on every gate_up path `bench_case` forces (a layer's own
+/// size is its current path's: the fused gather needs no `x_perm`, so a layer sized on it
+/// refuses the unfused paths with `WorkspaceTooSmall`). Leaves each layer on `Auto`.
+fn workspace_for_every_path(
+    stream: &Arc<CudaStream>,
+    layers: [&mut MoeLayer; 2],
+) -> Result<usize, Error> {
+    let fused_ok = moefuse::gpu::gate_up_fused_supported(stream)?;
+    let mut bytes = 0;
+    for layer in layers {
+        for path in [
+            GateUpPath::Auto,
+            GateUpPath::FusedGather,
+            GateUpPath::FusedActivation,
+            GateUpPath::Unfused,
+        ] {
+            if path == GateUpPath::Auto || path == GateUpPath::Unfused || fused_ok {
+                layer.set_gate_up_path(path)?;
+                bytes = bytes.max(layer.workspace_bytes());
+            }
+        }
+        layer.set_gate_up_path(GateUpPath::Auto)?;
+    }
+    Ok(bytes)
 }
 
 /// One model's layers (Training, timed; Inference, checked), its weights and workspace.
