@@ -29,13 +29,10 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe/decode_mma.cuh"
-#include "moefuse/moe/decode_stages.cuh"
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
@@ -49,11 +46,6 @@ namespace {
 
 using decode::kChunk;
 using decode::kMaxGroupBlocks;
-using decode::kStageBytes;
-using decode::kStageK;
-using decode::kStagePitch;
-using decode::kStages;
-using decode::RingPos;
 using decode::Routing;
 
 constexpr int kGateUpWarps = 8;
@@ -89,26 +81,18 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
   }
 }
 
-// Element offsets of the x rows (the B columns) of a lane's NB column blocks: column
-// nb * 8 + g is slot `slots[col]` (the first slot past `n`, whose sums are not stored).
-template <int NB>
-__device__ __forceinline__ void token_row_offsets(const moefuse_decode_args& a, const int* slots, int n, int g,
-                                                  uint32_t (&b_off)[NB]) {
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const int col = nb * 8 + g;
-    b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);  // tokens * hidden < 2^26
-  }
-}
-
 // One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
 // MMAs into shared partials.
 template <int NB>
 __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
                                 const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-  uint32_t b_off[NB];
-  token_row_offsets<NB>(a, slots, n, g, b_off);
+  uint32_t b_off[NB];  // tokens * hidden < 2^26
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int col = nb * 8 + g;
+    b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
+  }
   float acc[NB][4];
   // Two blocks of 8 warps per SM (128 registers): 8 chunks per lane in flight with one
   // column block.
@@ -200,124 +184,6 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
       else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
       gate_up_store(a, sm, slots, n, tile, blocks);
-    }
-  }
-}
-
-// ---- gate_up, staged (MOEFUSE_DECODE_GATE_UP=staged) --------------------------------------
-// The same units, sums and stores as decode_gate_up_kernel, with the weights streamed through
-// a ring of shared-memory stages (decode_stages.cuh) instead of registers:
-//   warp   | work
-//   -------+-----------------------------------------------------------------------
-//   8      | producer: per stage, 16 bulk copies (the unit's 16 weight rows x kStageK)
-//   0..7   | consumers: an eighth of each stage's K each, B = the x rows of the slots;
-//          | then the fixed-order sum of the eight partials, activation, stores
-// NOTES: a warp's K range is an eighth of every stage, not one eighth of hidden, so the fp32
-// partial sums (and possibly the last bit of h) differ from the register kernel's; the
-// order is fixed, so the result is deterministic and the same in both modes.
-constexpr int kStagedThreads = (kGateUpWarps + 1) * 32;
-
-struct StagedShared {
-  GateUpShared up;
-  uint64_t full[kStages];
-  uint64_t empty[kStages];
-};
-
-// The producer's copies for one pass over a unit's weights (every stage of K).
-__device__ void staged_produce(const moefuse_decode_args& a, StagedShared& sm, char* ring, RingPos& pos,
-                               const uint16_t* w, int tile, uint64_t policy) {
-  const int lane = threadIdx.x & 31;
-  int lo, hi;
-  tile_rows(a, tile, lane & 7, lo, hi);
-  const uint16_t* row = w + size_t(lane < 8 ? lo : hi) * a.hidden;
-  for (int k0 = 0; k0 < a.hidden; k0 += kStageK) {
-    const int len = min(kStageK, a.hidden - k0);
-    if (lane == 0) {
-      decode::barrier_wait(&sm.empty[pos.stage], pos.phase ^ 1u);
-      decode::barrier_arrive_expect(&sm.full[pos.stage], uint32_t(16 * len * 2));
-    }
-    __syncwarp();
-    if (lane < 16) {
-      decode::bulk_copy(ring + pos.stage * kStageBytes + lane * kStagePitch, row + k0, uint32_t(len * 2),
-                        &sm.full[pos.stage], policy);
-    }
-    pos.next();
-  }
-}
-
-// A consumer warp's pass: its eighth of every stage against the slots [0, n) of `slots`,
-// then its partials into shared memory (as gate_up_partial).
-template <int NB>
-__device__ void staged_partial(const moefuse_decode_args& a, StagedShared& sm, const char* ring, RingPos& pos,
-                               const int* slots, int n) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, k8 = (lane & 3) * 8;
-  uint32_t b_off[NB];
-  token_row_offsets<NB>(a, slots, n, g, b_off);
-  float acc[NB][4];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-  for (int k0 = 0; k0 < a.hidden; k0 += kStageK) {
-    const int chunks = min(kStageK, a.hidden - k0) / kChunk;
-    const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-    decode::barrier_wait(&sm.full[pos.stage], pos.phase);
-    const char* stage = ring + pos.stage * kStageBytes;
-    for (int c = c0; c < c1; ++c) {
-      const int k = c * kChunk + k8;
-      const uint4 lo = decode::load_shared(stage + g * kStagePitch + k * 2);
-      const uint4 hi = decode::load_shared(stage + (g + 8) * kStagePitch + k * 2);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(a.x + b_off[nb] + k0 + k));
-        decode::mma_chunk(acc[nb], lo, hi, bv);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) decode::barrier_arrive(&sm.empty[pos.stage]);
-    pos.next();
-  }
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sm.up.partial[warp][nb][lane][i] = acc[nb][i];
-  }
-}
-
-__global__ void __launch_bounds__(kStagedThreads, 1) decode_gate_up_staged_kernel(moefuse_decode_args a) {
-  __shared__ StagedShared sm;
-  extern __shared__ __align__(128) char ring[];
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      decode::barrier_init(&sm.full[s], 1);
-      decode::barrier_init(&sm.empty[s], kGateUpWarps);
-    }
-    decode::barrier_init_fence();
-  }
-  decode::wait_for_prerequisite();
-  decode::allow_dependent_launch();
-  // Ends with the block synchronised: the barriers are initialised for every thread.
-  sm.up.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
-  const int width = gated ? 2 * a.intermediate : a.intermediate;
-  const int tiles = width / 16, units = sm.up.routing.touched * tiles;
-  const bool producer = threadIdx.x >= kGateUpWarps * 32;
-  const uint64_t policy = producer ? decode::evict_first_policy() : 0;
-  RingPos pos;
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const int ti = u / tiles, tile = u - ti * tiles, e = sm.up.routing.expert[ti];
-    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
-    const int first = sm.up.routing.start[ti], count = sm.up.routing.start[ti + 1] - first;
-    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
-      if (producer) {
-        staged_produce(a, sm, ring, pos, w, tile, policy);
-        continue;
-      }
-      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
-      const int* slots = sm.up.routing.slot + first + base;
-      if (blocks == 1) staged_partial<1>(a, sm, ring, pos, slots, n);
-      else staged_partial<2>(a, sm, ring, pos, slots, n);
-      decode::consumers_sync(kGateUpWarps * 32);
-      gate_up_store(a, sm.up, slots, n, tile, blocks);
-      decode::consumers_sync(kGateUpWarps * 32);  // the partials are read before the next pass
     }
   }
 }
@@ -440,44 +306,27 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
 // Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
 // device; the down kernel's dynamic shared memory limit is raised on the same first call.
 struct Grids {
-  int gate_up, staged, down;
+  int gate_up, down;
 };
 
-constexpr int kRingBytes = kStages * kStageBytes;
-
 Grids resident_grids() {
-  static std::atomic<int> cache[64][3];
+  static std::atomic<int> cache[64][2];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132, 132};
-  int up = cache[dev][0].load(std::memory_order_acquire), staged = cache[dev][1].load(std::memory_order_acquire),
-      down = cache[dev][2].load(std::memory_order_acquire);
-  if (up > 0 && staged > 0 && down > 0) return {up, staged, down};
-  int sms = 0, up_per_sm = 0, staged_per_sm = 0, down_per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132};
+  int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
+  if (up > 0 && down > 0) return {up, down};
+  int sms = 0, up_per_sm = 0, down_per_sm = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        int(kPartFloats * sizeof(float)));
-  cudaFuncSetAttribute(decode_gate_up_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&staged_per_sm, decode_gate_up_staged_kernel, kStagedThreads,
-                                                kRingBytes);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
                                                 kPartFloats * sizeof(float));
   up = max(1, sms) * max(1, up_per_sm);
-  staged = max(1, sms) * max(1, staged_per_sm);
   down = max(1, sms) * max(1, down_per_sm);
   cache[dev][0].store(up, std::memory_order_release);
-  cache[dev][1].store(staged, std::memory_order_release);
-  cache[dev][2].store(down, std::memory_order_release);
-  return {up, staged, down};
-}
-
-// MOEFUSE_DECODE_GATE_UP=staged|registers picks the gate_up kernel (A/B; read once).
-bool staged_gate_up() {
-  static const bool staged = [] {
-    const char* v = std::getenv("MOEFUSE_DECODE_GATE_UP");
-    return v != nullptr && std::strcmp(v, "staged") == 0;
-  }();
-  return staged;
+  cache[dev][1].store(down, std::memory_order_release);
+  return {up, down};
 }
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
@@ -529,17 +378,13 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  const bool staged = staged_gate_up();
   cudaLaunchConfig_t up = {};
-  up.gridDim = dim3(min(staged ? grids.staged : grids.gate_up, max_units));
-  up.blockDim = dim3(staged ? kStagedThreads : kGateUpWarps * 32);
-  up.dynamicSmemBytes = staged ? kRingBytes : 0;
+  up.gridDim = dim3(min(grids.gate_up, max_units));
+  up.blockDim = dim3(kGateUpWarps * 32);
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  const cudaError_t up_err = staged ? cudaLaunchKernelEx(&up, decode_gate_up_staged_kernel, *a)
-                                    : cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a);
-  if (up_err != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
