@@ -35,6 +35,35 @@
 
 namespace moefuse::kernel {
 
+// What a fused gate_up launch gives either arch's kernel (the Hopper kernel's Params add its
+// collective's): the tensor maps, the operands and the problem, filled by the launcher.
+struct GateUpParams {
+  CUtensorMap tmap_w;     // w [E, W, hidden]: box 64 x 128 x 1, 128-byte swizzle
+  CUtensorMap tmap_rows;  // contiguous only: x [max_rows, hidden] (rows in order): box 64 x 128
+  const int32_t* offsets;
+  const int32_t* source_of;      // nullptr: x holds the routed rows in order (contiguous)
+  const cutlass::bfloat16_t* x;  // [tokens, hidden], or [max_rows, hidden] contiguous
+  cutlass::bfloat16_t* h;
+  cutlass::bfloat16_t* h_pre;
+  uint32_t* errors;
+  int groups;
+  int max_rows;  // tokens * top_k
+  int top_k;
+  int hidden;
+  int inter;
+  int width;  // W: 2 * inter gated, inter for RELU2
+  int act;
+  int layout;
+  float alpha;
+  float limit;
+  int band;
+  int n_fast;
+  int interleave;
+  int peers;      // kPeerRows: ranks whose x rows source_of names (1..MOEFUSE_GATE_UP_MAX_PEERS)
+  int peer_rows;  // kPeerRows: rows of each rank's x
+  const cutlass::bfloat16_t* peer_x[MOEFUSE_GATE_UP_MAX_PEERS];  // kPeerRows: rank s's x [peer_rows, hidden]
+};
+
 template <int kTileM_, int kTileN_, int kTileK_, int kClusterM_, bool kPeerRows_, int kMaxPeers_>
 struct GateUpGather {
   static constexpr int kTileM = kTileM_;

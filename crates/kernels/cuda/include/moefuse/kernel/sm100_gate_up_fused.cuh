@@ -91,34 +91,9 @@ struct Sm100GateUpFused {
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
 
-  // The Hopper kernel's parameters without its collective's (this kernel builds its MMA
-  // operands from the shared-memory layouts alone).
-  struct Params {
-    CUtensorMap tmap_w;     // w [E, W, hidden]: box 64 x 128 x 1, 128-byte swizzle
-    CUtensorMap tmap_rows;  // contiguous only: x [max_rows, hidden] (rows in order): box 64 x 128
-    const int32_t* offsets;
-    const int32_t* source_of;
-    const cutlass::bfloat16_t* x;
-    cutlass::bfloat16_t* h;
-    cutlass::bfloat16_t* h_pre;
-    uint32_t* errors;
-    int groups;
-    int max_rows;
-    int top_k;
-    int hidden;
-    int inter;
-    int width;
-    int act;
-    int layout;
-    float alpha;
-    float limit;
-    int band;
-    int n_fast;
-    int interleave;
-    int peers;
-    int peer_rows;
-    const cutlass::bfloat16_t* peer_x[kMaxPeers];
-  };
+  // kernel/gate_up_gather.cuh's (this kernel builds its MMA operands from the shared-memory
+  // layouts alone, so it needs no collective parameters).
+  using Params = GateUpParams;
 
   CUTE_HOST_DEVICE static int h_cols_per_tile(int act) { return Gather::h_cols_per_tile(act); }
 

@@ -93,32 +93,10 @@ struct Sm90GateUpFused {
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
 
-  struct Params {
-    CUtensorMap tmap_w;  // w [E, W, hidden]: box 64 x 128 x 1, 128-byte swizzle
-    CUtensorMap tmap_rows;  // contiguous only: x [max_rows, hidden] (rows in order): box 64 x 128
-    typename Mainloop::Params mainloop;  // only for mma()'s signature (it reads none of it)
-    const int32_t* offsets;
-    const int32_t* source_of;      // nullptr: x holds the routed rows in order (contiguous)
-    const cutlass::bfloat16_t* x;  // [tokens, hidden], or [max_rows, hidden] contiguous
-    cutlass::bfloat16_t* h;
-    cutlass::bfloat16_t* h_pre;
-    uint32_t* errors;
-    int groups;
-    int max_rows;  // tokens * top_k
-    int top_k;
-    int hidden;
-    int inter;
-    int width;     // W: 2 * inter gated, inter for RELU2
-    int act;
-    int layout;
-    float alpha;
-    float limit;
-    int band;
-    int n_fast;
-    int interleave;
-    int peers;      // kPeerRows: ranks whose x rows source_of names (1..kMaxPeers)
-    int peer_rows;  // kPeerRows: rows of each rank's x
-    const cutlass::bfloat16_t* peer_x[kMaxPeers];  // kPeerRows: rank s's x [peer_rows, hidden]
+  // kernel/gate_up_gather.cuh's, and the collective's own (only for mma()'s signature: it
+  // reads none of it).
+  struct Params : GateUpParams {
+    typename Mainloop::Params mainloop;
   };
 
   enum class Role { Producer, Consumer };
