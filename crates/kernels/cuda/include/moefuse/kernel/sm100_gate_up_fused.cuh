@@ -32,14 +32,9 @@
 
 #include <cuda.h>
 
-#include <utility>
-
-#include "cute/arch/copy_sm100.hpp"
-#include "cute/arch/tmem_allocator_sm100.hpp"
 #include "cute/tensor.hpp"
-#include "cutlass/arch/barrier.h"
-#include "cutlass/pipeline/pipeline.hpp"
 #include "moefuse/kernel/gate_up_gather.cuh"
+#include "moefuse/kernel/sm100_umma.cuh"
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe_abi.h"
 #include "moefuse/sched/grouped_contiguous.cuh"
@@ -66,21 +61,23 @@ struct Sm100GateUpFused {
   static_assert(cute::size(typename Mainloop::DispatchPolicy::ClusterShape{}) == 1,
                 "sm100 fused gate_up: a 1-SM collective (no pairs)");
 
-  // Stages: 129 producer arrivals (Gather), freed by one UMMA commit.
-  using StagePipeline = cutlass::PipelineTmaAsync<kStages>;
+  // Stages: 129 producer arrivals (Gather), freed by one UMMA commit; two accumulators
+  // (kernel/sm100_umma.cuh).
+  using Pipelines = sm100::Pipelines<kStages>;
+  using StagePipeline = sm100::StagePipeline<kStages>;
   using StageState = cutlass::PipelineState<kStages>;
-  static constexpr int kAccStages = 2;
-  using AccPipeline = cutlass::PipelineUmmaAsync<kAccStages>;
+  using AccPipeline = sm100::AccPipeline;
   using AccState = typename AccPipeline::PipelineState;
-  static constexpr uint32_t kAccColumns = kTileN;  // fp32: one column per accumulator column
-  static_assert(kAccStages * kAccColumns == 512, "sm100 fused gate_up: two accumulators fill the tensor memory");
+  using Umma = sm100::UmmaOperands<Mainloop>;
+  static constexpr uint32_t kAccColumns = Umma::kAccColumns;
+  static_assert(sm100::kAccStages * kAccColumns == 512, "sm100 fused gate_up: two accumulators fill the tensor memory");
 
   static constexpr int kProducerWarps = 4;
   static constexpr int kMmaWarp = 4;
   static constexpr int kEpilogueWarps = 4;
   static constexpr int kEpilogueThreads = kEpilogueWarps * 32;
   static constexpr int kThreads = (kProducerWarps + 1 + kEpilogueWarps) * 32;
-  static constexpr int kColsPerLoad = 32;
+  static constexpr int kColsPerLoad = sm100::kColsPerLoad;
 
   struct SharedStorage {
     typename Mainloop::TensorStorage tensors;
@@ -97,45 +94,7 @@ struct Sm100GateUpFused {
 
   CUTE_HOST_DEVICE static int h_cols_per_tile(int act) { return Gather::h_cols_per_tile(act); }
 
-  // ---- tensor memory ----------------------------------------------------------------------
-
-  // Columns [col, col + 32) of this warp's 32 lanes at `taddr` (lane base in bits 16..31),
-  // as fp32, one row per thread. Warp-collective.
-  template <size_t... I>
-  CUTE_DEVICE static void tmem_load(uint32_t taddr, float (&v)[kColsPerLoad], std::index_sequence<I...>) {
-    uint32_t r[kColsPerLoad];
-    cute::SM100_TMEM_LOAD_32dp32b32x::copy(taddr, r[I]...);
-    cutlass::arch::fence_view_async_tmem_load();
-    ((v[I] = __uint_as_float(r[I])), ...);
-  }
-  CUTE_DEVICE static void tmem_load(uint32_t taddr, float (&v)[kColsPerLoad]) {
-    tmem_load(taddr, v, std::make_index_sequence<kColsPerLoad>{});
-  }
-  // tcgen05 ordering around the accumulator barriers (thread syncs between the MMA warp's
-  // tensor-memory writes and the epilogue's reads).
-  CUTE_DEVICE static void tmem_fence_before_sync() { asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory"); }
-  CUTE_DEVICE static void tmem_fence_after_sync() { asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory"); }
-
   // ---- epilogue ---------------------------------------------------------------------------
-
-  // `n` values (a multiple of 8) as bf16 to dst[0, n), 16 bytes per store, the 8-column
-  // chunks at or past `limit` columns skipped (inter and width are multiples of 8).
-  template <int N>
-  CUTE_DEVICE static void store_row(cutlass::bfloat16_t* dst, const float (&v)[N], int limit) {
-    static_assert(N % 8 == 0, "whole 16-byte chunks");
-    CUTE_UNROLL
-    for (int q = 0; q < N / 8; ++q) {
-      if (q * 8 >= limit) break;
-      uint4 chunk;
-      uint32_t* w = reinterpret_cast<uint32_t*>(&chunk);
-      CUTE_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const __nv_bfloat162 pair = __float22bfloat162_rn(make_float2(v[q * 8 + 2 * i], v[q * 8 + 2 * i + 1]));
-        w[i] = *reinterpret_cast<const uint32_t*>(&pair);
-      }
-      *reinterpret_cast<uint4*>(dst + q * 8) = chunk;
-    }
-  }
 
   // One tile row (this thread's) of one accumulator: h, and h_pre when training. `acc` is
   // the tensor-memory address of the accumulator at this warp's lane base; `row` is the
@@ -153,18 +112,17 @@ struct Sm100GateUpFused {
       CUTE_UNROLL
       for (int c0 = 0; c0 < kTileN / 2; c0 += kColsPerLoad) {
         float g[kColsPerLoad], u[kColsPerLoad], out[kColsPerLoad];
-        __syncwarp();  // the loads are .sync.aligned: the whole warp, converged
-        tmem_load(acc + c0, g);
-        tmem_load(acc + kTileN / 2 + c0, u);
+        sm100::tmem_load(acc + c0, g);
+        sm100::tmem_load(acc + kTileN / 2 + c0, u);
         if (live) {
           const int cols = p.inter - (hcol0 + c0);
           if (h_pre != nullptr) {
-            store_row(h_pre + hcol0 + c0, g, cols);
-            store_row(h_pre + p.inter + hcol0 + c0, u, cols);
+            sm100::store_row(h_pre + hcol0 + c0, g, cols);
+            sm100::store_row(h_pre + p.inter + hcol0 + c0, u, cols);
           }
           CUTE_UNROLL
           for (int i = 0; i < kColsPerLoad; ++i) out[i] = moe::eval_as<Act>(p.alpha, p.limit, g[i], u[i]).h;
-          store_row(h + hcol0 + c0, out, cols);
+          sm100::store_row(h + hcol0 + c0, out, cols);
         }
       }
     } else {
@@ -174,17 +132,16 @@ struct Sm100GateUpFused {
       CUTE_UNROLL
       for (int c0 = 0; c0 < kTileN; c0 += kColsPerLoad) {
         float a[kColsPerLoad], out[kOut];
-        __syncwarp();
-        tmem_load(acc + c0, a);
+        sm100::tmem_load(acc + c0, a);
         if (live) {
-          if (h_pre != nullptr) store_row(h_pre + n_block * kTileN + c0, a, p.width - (n_block * kTileN + c0));
+          if (h_pre != nullptr) sm100::store_row(h_pre + n_block * kTileN + c0, a, p.width - (n_block * kTileN + c0));
           CUTE_UNROLL
           for (int i = 0; i < kOut; ++i) {
             out[i] = kRelu2 ? moe::eval_as<Act>(p.alpha, p.limit, a[i], 0.f).h
                             : moe::eval_as<Act>(p.alpha, p.limit, a[2 * i], a[2 * i + 1]).h;
           }
           const int h0 = hcol0 + (kRelu2 ? c0 : c0 / 2);
-          store_row(h + h0, out, p.inter - h0);
+          sm100::store_row(h + h0, out, p.inter - h0);
         }
       }
     }
@@ -222,23 +179,10 @@ struct Sm100GateUpFused {
     }
     if (warp_idx == 1) Scheduler::build(shared.groups, p.offsets, p.groups, p.max_rows);
 
-    using Category = typename StagePipeline::ThreadCategory;
-    typename StagePipeline::Params stage_params;
-    stage_params.role = producer ? Category::Producer : mma ? Category::Consumer : Category::NonParticipant;
-    stage_params.is_leader = thread_idx == 0;
-    stage_params.num_consumers = 1;  // the MMA warp's commit
-    stage_params.num_producers = 1 + Gather::kProducerThreads;
-    stage_params.transaction_bytes = 0;
-    stage_params.initializing_warp = 0;
-    StagePipeline stages(shared.stages, stage_params, Shape<_1, _1, _1>{});
-
-    using AccCategory = typename AccPipeline::ThreadCategory;
-    typename AccPipeline::Params acc_params;
-    acc_params.role = mma ? AccCategory::Producer : producer ? AccCategory::NonParticipant : AccCategory::Consumer;
-    acc_params.producer_arv_count = 1;
-    acc_params.consumer_arv_count = kEpilogueThreads;
-    acc_params.initializing_warp = 2;
-    AccPipeline accumulators(shared.accumulators, acc_params, Shape<_1, _1, _1>{});
+    Pipelines pipes(shared.stages, shared.accumulators, producer, mma, 1 + Gather::kProducerThreads, 0,
+                    kEpilogueThreads);
+    StagePipeline& stages = pipes.stages;
+    AccPipeline& accumulators = pipes.accumulators;
 
     cute::TMEM::Allocator1Sm tmem;
     if (mma) {
@@ -267,59 +211,26 @@ struct Sm100GateUpFused {
       __syncwarp();
     } else if (mma) {
       TiledMma tiled_mma;
-      Tensor sA = make_tensor(make_smem_ptr(shared.tensors.smem_A.begin()), SmemLayoutA{});  // (MMA,MMA_M,MMA_K,PIPE)
-      Tensor sB = make_tensor(make_smem_ptr(shared.tensors.smem_B.begin()), SmemLayoutB{});  // (MMA,MMA_N,MMA_K,PIPE)
-      Tensor tCrA = TiledMma::make_fragment_A(sA);
-      Tensor tCrB = TiledMma::make_fragment_B(sB);
-      Tensor acc = TiledMma::make_fragment_C(
-          append(partition_shape_C(TiledMma{}, take<0, 2>(TileShape{})), Int<kAccStages>{}));  // (MMA,MMA_M,MMA_N,ACC)
-      acc.data() = tmem_base;
-      // The epilogue addresses accumulator stage s at column s * kAccColumns, row m at lane m.
-      using AccLayout = decltype(acc.layout());
-      static_assert(decltype(cute::stride<3>(AccLayout{}))::value == kAccColumns &&
-                        AccLayout{}(make_coord(make_coord(1, 0), 0, 0, 0)) == (1 << 16) &&
-                        AccLayout{}(make_coord(make_coord(0, 1), 0, 0, 0)) == 1,
-                    "sm100 fused gate_up: the accumulator is not row m at lane m, column n at column n, stages "
-                    "kAccColumns columns apart");
+      auto [tCrA, tCrB, acc] = Umma::make(shared.tensors, tmem_base);
+      auto* empty = reinterpret_cast<uint64_t*>(&shared.stages.empty_barrier_[0]);
       StageState read;
       AccState fill = cutlass::make_producer_start_state<AccPipeline>();
       while (scheduler.next(tile)) {
-        accumulators.producer_acquire(fill);  // the epilogue has read this accumulator
-        tmem_fence_after_sync();
-        Tensor acc_stage = acc(_, _, _, fill.index());
-        tiled_mma.accumulate_ = UMMA::ScaleOut::Zero;
-        for (int kb = 0; kb < k_tiles; ++kb) {
-          stages.consumer_wait(read);
-          // The gathered rows came by cp.async (the generic proxy); the UMMA reads through
-          // the async proxy.
-          cutlass::arch::fence_view_async_shared();
-          const int s = int(read.index());
-          CUTE_UNROLL
-          for (int k = 0; k < size<2>(tCrA); ++k) {
-            cute::gemm(tiled_mma, tCrA(_, _, k, s), tCrB(_, _, k, s), acc_stage);
-            tiled_mma.accumulate_ = UMMA::ScaleOut::One;
-          }
-          // Frees the stage once these UMMAs have read it.
-          cutlass::arch::umma_arrive(reinterpret_cast<uint64_t*>(&shared.stages.empty_barrier_[s]));
-          ++read;
-        }
-        accumulators.producer_commit(fill);  // full once every UMMA of the tile is done
-        ++fill;
+        sm100::mma_tile(tiled_mma, tCrA, tCrB, acc, stages, read, empty, accumulators, fill, k_tiles);
       }
       // Every accumulator read before the tensor memory is freed.
       accumulators.producer_tail(fill);
       tmem.free(tmem_base, cute::TMEM::Allocator1Sm::Sm100TmemCapacityColumns);
     } else {
-      const int lane_base = (warp_idx % 4) * 32;  // the lanes this warp may access
-      const int r = lane_base + thread_idx % 32;  // this thread's tile row
+      const int r = (warp_idx % 4) * 32 + thread_idx % 32;  // this thread's tile row (its lane)
       AccState drain;
       while (scheduler.next(tile)) {
         accumulators.consumer_wait(drain);
-        tmem_fence_after_sync();
-        const uint32_t acc = tmem_base + (uint32_t(lane_base) << 16) + uint32_t(drain.index()) * kAccColumns;
+        sm100::tmem_fence_after_sync();
+        const uint32_t acc = sm100::accumulator_row_address<kAccColumns>(tmem_base, warp_idx, int(drain.index()));
         const int64_t row = r < tile.rows ? int64_t(tile.row0) + r : -1;
         store_tile(p, acc, row, tile.n_block);
-        tmem_fence_before_sync();
+        sm100::tmem_fence_before_sync();
         accumulators.consumer_release(drain);
         ++drain;
       }

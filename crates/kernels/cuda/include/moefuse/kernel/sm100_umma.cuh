@@ -1,0 +1,171 @@
+// The UMMA side shared by moefuse's Blackwell (sm_100a) kernels (kernel/sm100_gate_up_fused.cuh,
+// kernel/sm100_contiguous_grouped.cuh): the MMA warp's loop over one tile's k-blocks, the two
+// tensor-memory accumulators, and the epilogue warps' row loads.
+//
+//   - Stages: CUTLASS's Hopper TMA pipeline (`PipelineTmaAsync`), whose full barrier counts
+//     whatever the producers arrive with (one TMA leader, or 129 with a cp.async gather) and
+//     whose empty barrier counts one arrival: the MMA warp's `tcgen05.commit` once the
+//     stage's UMMAs have read it.
+//   - Accumulators: two stages of 128 lanes x kTileN fp32 columns (all 512 columns for
+//     N = 256), CUTLASS's UMMA pipeline between the MMA warp (commit) and the 128 epilogue
+//     threads (one arrival each).
+//   - Epilogue: warp w may read lanes 32 (w % 4) .. 32 (w % 4) + 31; tile row m sits in lane
+//     m and column n in column n (asserted by `accumulators`).
+#pragma once
+
+#include <utility>
+
+#include "cute/arch/copy_sm100.hpp"
+#include "cute/arch/tmem_allocator_sm100.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/pipeline/pipeline.hpp"
+
+namespace moefuse::kernel::sm100 {
+
+constexpr int kAccStages = 2;
+constexpr int kColsPerLoad = 32;
+
+template <int kStages>
+using StagePipeline = cutlass::PipelineTmaAsync<kStages>;
+using AccPipeline = cutlass::PipelineUmmaAsync<kAccStages>;
+
+// Columns [taddr, taddr + 32) of this warp's 32 lanes (lane base in bits 16..31) as fp32, one
+// row per thread. Warp-collective (.sync.aligned): call it converged.
+template <size_t... I>
+CUTE_DEVICE void tmem_load(uint32_t taddr, float (&v)[kColsPerLoad], std::index_sequence<I...>) {
+  uint32_t r[kColsPerLoad];
+  cute::SM100_TMEM_LOAD_32dp32b32x::copy(taddr, r[I]...);
+  cutlass::arch::fence_view_async_tmem_load();
+  ((v[I] = __uint_as_float(r[I])), ...);
+}
+CUTE_DEVICE void tmem_load(uint32_t taddr, float (&v)[kColsPerLoad]) {
+  __syncwarp();
+  tmem_load(taddr, v, std::make_index_sequence<kColsPerLoad>{});
+}
+
+// tcgen05 ordering around the thread syncs between tensor-memory writers and readers.
+CUTE_DEVICE void tmem_fence_before_sync() { asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory"); }
+CUTE_DEVICE void tmem_fence_after_sync() { asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory"); }
+
+// The MMA warp's operands: shared-memory descriptors of every stage and the two tensor-memory
+// accumulators at `tmem_base`.
+template <class Mainloop>
+struct UmmaOperands {
+  using TiledMma = typename Mainloop::TiledMma;
+  using TileShape = typename Mainloop::TileShape;
+  static constexpr uint32_t kAccColumns = cute::size<1>(TileShape{});
+
+  template <class TensorStorage>
+  CUTE_DEVICE static auto make(TensorStorage& tensors, uint32_t tmem_base) {
+    using namespace cute;
+    Tensor sA = make_tensor(make_smem_ptr(tensors.smem_A.begin()), typename Mainloop::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(tensors.smem_B.begin()), typename Mainloop::SmemLayoutB{});
+    Tensor acc = TiledMma::make_fragment_C(
+        append(partition_shape_C(TiledMma{}, take<0, 2>(TileShape{})), Int<kAccStages>{}));  // (MMA,MMA_M,MMA_N,ACC)
+    acc.data() = tmem_base;
+    using AccLayout = decltype(acc.layout());
+    static_assert(decltype(cute::stride<3>(AccLayout{}))::value == kAccColumns &&
+                      AccLayout{}(make_coord(make_coord(1, 0), 0, 0, 0)) == (1 << 16) &&
+                      AccLayout{}(make_coord(make_coord(0, 1), 0, 0, 0)) == 1,
+                  "sm100 UMMA: the accumulator is not row m at lane m, column n at column n, stages "
+                  "kAccColumns columns apart");
+    return make_tuple(TiledMma::make_fragment_A(sA), TiledMma::make_fragment_B(sB), acc);
+  }
+};
+
+// One tile on the MMA warp (all 32 lanes; one elected lane issues): waits for the epilogue to
+// free accumulator `fill`, runs `k_tiles` k-blocks of UMMAs from the stages (each freed by a
+// commit on its empty barrier once read), then commits the accumulator to the epilogue.
+template <class TiledMma, class FragA, class FragB, class Acc, class Stages, class StageState>
+CUTE_DEVICE void mma_tile(TiledMma& tiled_mma, FragA const& tCrA, FragB const& tCrB, Acc const& acc, Stages& stages,
+                          StageState& read, uint64_t* empty_barriers, AccPipeline& accumulators,
+                          typename AccPipeline::PipelineState& fill, int k_tiles) {
+  using namespace cute;
+  accumulators.producer_acquire(fill);
+  tmem_fence_after_sync();
+  auto acc_stage = acc(_, _, _, fill.index());
+  tiled_mma.accumulate_ = UMMA::ScaleOut::Zero;
+  for (int kb = 0; kb < k_tiles; ++kb) {
+    stages.consumer_wait(read);
+    // Rows gathered by cp.async come through the generic proxy; the UMMA reads through the
+    // async one.
+    cutlass::arch::fence_view_async_shared();
+    const int s = int(read.index());
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      cute::gemm(tiled_mma, tCrA(_, _, k, s), tCrB(_, _, k, s), acc_stage);
+      tiled_mma.accumulate_ = UMMA::ScaleOut::One;
+    }
+    cutlass::arch::umma_arrive(empty_barriers + s);
+    ++read;
+  }
+  accumulators.producer_commit(fill);  // full once every UMMA of the tile is done
+  ++fill;
+}
+
+// The epilogue's view of accumulator `drain` for this warp: its lane base and the address of
+// column 0; after `accumulators.consumer_wait(drain)`.
+template <uint32_t kAccColumns>
+CUTE_DEVICE uint32_t accumulator_row_address(uint32_t tmem_base, int warp_idx, int stage) {
+  return tmem_base + (uint32_t((warp_idx % 4) * 32) << 16) + uint32_t(stage) * kAccColumns;
+}
+
+// `n` values (a multiple of 8) as bf16 to dst[0, n), 16 bytes per store, the 8-column chunks
+// at or past `limit` columns skipped (row lengths are multiples of 8).
+template <int N>
+CUTE_DEVICE void store_row(cutlass::bfloat16_t* dst, const float (&v)[N], int limit) {
+  static_assert(N % 8 == 0, "whole 16-byte chunks");
+  CUTE_UNROLL
+  for (int q = 0; q < N / 8; ++q) {
+    if (q * 8 >= limit) break;
+    uint4 chunk;
+    uint32_t* w = reinterpret_cast<uint32_t*>(&chunk);
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 pair = __float22bfloat162_rn(make_float2(v[q * 8 + 2 * i], v[q * 8 + 2 * i + 1]));
+      w[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    *reinterpret_cast<uint4*>(dst + q * 8) = chunk;
+  }
+}
+
+// The stage and accumulator pipelines of a kernel with `producer_arrivals` producer arrivals
+// per stage (and `stage_bytes` expected by the TMA leader, thread 0), warps `producer` /
+// `mma` / the rest the epilogue; the barriers are initialised by warps 0 and 2 and visible
+// after the caller's block barrier.
+template <int kStages>
+struct Pipelines {
+  StagePipeline<kStages> stages;
+  AccPipeline accumulators;
+
+  template <class Storage>
+  CUTE_DEVICE Pipelines(Storage& stage_storage, typename AccPipeline::SharedStorage& acc_storage, bool producer,
+                        bool mma, uint32_t producer_arrivals, uint32_t stage_bytes, int epilogue_threads)
+      : stages(stage_storage, stage_params(producer, mma, producer_arrivals, stage_bytes), cute::Shape<cute::_1, cute::_1, cute::_1>{}),
+        accumulators(acc_storage, acc_params(producer, mma, epilogue_threads), cute::Shape<cute::_1, cute::_1, cute::_1>{}) {}
+
+  CUTE_DEVICE static typename StagePipeline<kStages>::Params stage_params(bool producer, bool mma, uint32_t arrivals,
+                                                                         uint32_t bytes) {
+    using Category = typename StagePipeline<kStages>::ThreadCategory;
+    typename StagePipeline<kStages>::Params p;
+    p.role = producer ? Category::Producer : mma ? Category::Consumer : Category::NonParticipant;
+    p.is_leader = threadIdx.x == 0;
+    p.num_consumers = 1;  // the MMA warp's commit
+    p.num_producers = arrivals;
+    p.transaction_bytes = bytes;
+    p.initializing_warp = 0;
+    return p;
+  }
+  CUTE_DEVICE static typename AccPipeline::Params acc_params(bool producer, bool mma, int epilogue_threads) {
+    using Category = typename AccPipeline::ThreadCategory;
+    typename AccPipeline::Params p;
+    p.role = mma ? Category::Producer : producer ? Category::NonParticipant : Category::Consumer;
+    p.producer_arv_count = 1;
+    p.consumer_arv_count = uint32_t(epilogue_threads);
+    p.initializing_warp = 2;
+    return p;
+  }
+};
+
+}  // namespace moefuse::kernel::sm100
