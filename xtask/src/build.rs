@@ -116,7 +116,7 @@ fn eta(compiled_secs: &[f64], left: usize, jobs: usize) -> String {
 const FAT_TENSOR_CORE: &[(&str, &[Arch])] = &[
     ("gate_up_fused", &[Arch::Sm90a, Arch::Sm100a]),
     ("down_dgrad_fused", &[Arch::Sm90a]),
-    ("down_scatter", &[Arch::Sm90a]),
+    ("down_scatter", &[Arch::Sm90a, Arch::Sm100a]),
 ];
 
 /// The tensor-core SASS instructions of `arch`.

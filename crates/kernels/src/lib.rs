@@ -218,8 +218,13 @@ mod tests {
         for v in VARIANTS {
             let ok = match v.schedule {
                 Schedule::Cooperative | Schedule::Pingpong => v.arch == VariantArch::Sm90a,
-                // moefuse's own sm90 kernels: M-grouped (fwd/dgrad) and K-grouped (wgrad).
-                Schedule::Contiguous => v.arch == VariantArch::Sm90a && v.op.is_grouped(),
+                // moefuse's own kernels: on sm90 M-grouped (fwd/dgrad) and K-grouped
+                // (wgrad), on sm100 M-grouped only.
+                Schedule::Contiguous => {
+                    v.op.is_grouped()
+                        && (v.arch == VariantArch::Sm90a
+                            || (v.arch == VariantArch::Sm100a && v.op != Op::GroupedWgrad))
+                }
                 Schedule::OneSm | Schedule::TwoSm => v.arch == VariantArch::Sm100a,
             };
             assert!(ok, "{} pairs a schedule with the wrong arch", v.name());

@@ -31,9 +31,10 @@ pub enum Schedule {
     Cooperative,
     /// sm90: two consumer warp groups alternate tiles (CUTLASS ping-pong).
     Pingpong,
-    /// sm90: moefuse's persistent kernels over the contiguous grouped layout (tensor maps
-    /// built once on the host; M-grouped: masked stores at group ends; K-grouped: a group's
-    /// last chunk loaded row by row, zero-filled past its end; cooperative consumers).
+    /// moefuse's persistent kernels over the contiguous grouped layout (tensor maps built
+    /// once on the host; M-grouped: masked stores at group ends; K-grouped: a group's last
+    /// chunk loaded row by row, zero-filled past its end). sm90: cooperative consumers, both
+    /// kinds; sm100: UMMA with tensor-memory accumulators, M-grouped only.
     Contiguous,
     /// sm100: one SM per MMA tile.
     OneSm,
@@ -250,6 +251,24 @@ pub const VARIANTS: &[VariantSpec] = &[
         cluster: [2, 1],
         schedule: Schedule::Contiguous,
     },
+    // The Blackwell twins of the two 1x1 kernels above (kernels/include/moefuse/kernel/
+    // sm100_contiguous_grouped.cuh: the same tile order and masked stores on UMMA, the
+    // accumulators in tensor memory). Built and SASS-checked; no B200 has run them yet, so
+    // the sm100 heuristic does not score them (Auto keeps the ptr-array 2-SM kernels).
+    VariantSpec {
+        arch: Arch::Sm100a,
+        op: Op::GroupedFwdBnk,
+        tile: [128, 256, 64],
+        cluster: [1, 1],
+        schedule: Schedule::Contiguous,
+    },
+    VariantSpec {
+        arch: Arch::Sm100a,
+        op: Op::GroupedFwdBkn,
+        tile: [128, 256, 64],
+        cluster: [1, 1],
+        schedule: Schedule::Contiguous,
+    },
     // NOTES: moefuse's own K-grouped kernel (kernels/include/moefuse/kernel/
     // sm90_contiguous_wgrad.cuh): CUTLASS's ptr-array wgrad above ran at 0.68x dense on the
     // Qwen3 shapes (gate_up wgrad 931 vs 511 us, down 481 vs 265).
@@ -347,6 +366,7 @@ impl VariantSpec {
         let (ns, sched) = match self.schedule {
             Schedule::Cooperative => ("sm90", "Cooperative"),
             Schedule::Pingpong => ("sm90", "Pingpong"),
+            Schedule::Contiguous if self.arch == Arch::Sm100a => ("sm100", "Contiguous"),
             Schedule::Contiguous => ("sm90", "Contiguous"),
             Schedule::OneSm => ("sm100", "OneSm"),
             Schedule::TwoSm => ("sm100", "TwoSm"),

@@ -103,7 +103,7 @@ moefuse_status launch(const moefuse_down_dgrad_args& a, const moefuse_grouped_ge
                       cudaStream_t stream, const char* name) {
   using K = FusedKernel<kClusterM>;
   typename K::Params p =
-      sm90::ContiguousGroupedLauncher<Config<kClusterM>>::template params<typename K::Params>(g);
+      ContiguousGroupedLauncher<Config<kClusterM>>::template params<typename K::Params>(g);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   p.fusion.h_pre = reinterpret_cast<const __nv_bfloat16*>(a.h_pre);
   p.fusion.d_h_pre = reinterpret_cast<__nv_bfloat16*>(a.d_h_pre);
@@ -162,7 +162,7 @@ extern "C" moefuse_status moefuse_moe_down_dgrad_fused(const moefuse_down_dgrad_
   st = moefuse::check_device(9, 0, name, &sms, &device);
   if (st != MOEFUSE_STATUS_OK || a->tokens == 0) return st;
   const moefuse_grouped_gemm_args g = gemm_problem(*a);
-  st = moefuse::sm90::ContiguousGroupedLauncher<Config<1>>::check(&g, name);
+  st = moefuse::ContiguousGroupedLauncher<Config<1>>::check(&g, name);
   if (st != MOEFUSE_STATUS_OK) return st;
   st = moefuse::check_grouped_pointers(&g, name, /*gathers_b=*/false, /*gathers_a=*/true);
   if (st != MOEFUSE_STATUS_OK) return st;

@@ -2,11 +2,13 @@
 // contiguous grouped GEMM (kernel/sm90_contiguous_grouped.cuh, 128 x 256 x 64 tiles, W_e as
 // [N, K] or [K, N]) whose epilogue stores row r at the address row_dst[r]
 // (epilogue::RowsScattered) instead of into D. CTA pairs share W_e's tiles when the experts
-// average two m-blocks of rows, as the fused gate_up decides. A fat object like the other
-// MoE kernels: its sm_90a image carries the kernel, any other image a trap the capability
-// check keeps from running.
+// average two m-blocks of rows, as the fused gate_up decides. On compute capability 10.0 the
+// Blackwell twin (kernel/sm100_contiguous_grouped.cuh, single CTAs) runs instead. A fat
+// object like the other MoE kernels: each arch's image carries its own kernel, the other one
+// a trap the capability check keeps from running.
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
+#include "moefuse/sm100/contiguous_grouped_gemm.cuh"
 #include "moefuse/sm90/contiguous_grouped_gemm.cuh"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
@@ -22,7 +24,13 @@ using Config = sm90::ContiguousGroupedBf16<128, 256, 64, kClusterM, 1, sm90::Con
 template <int kClusterM, moefuse_b_layout kLayout>
 using ScatterKernel = kernel::Sm90ContiguousGrouped<typename Config<kClusterM, kLayout>::CollectiveMainloop,
                                                     Config<kClusterM, kLayout>::kMaxGroups, epilogue::RowsScattered>;
+template <moefuse_b_layout kLayout>
+using Config100 = sm100::ContiguousGroupedBf16<128, 256, 64, 1, 1, sm100::Contiguous, kLayout>;
+template <moefuse_b_layout kLayout>
+using ScatterKernel100 = kernel::Sm100ContiguousGrouped<typename Config100<kLayout>::CollectiveMainloop,
+                                                        Config100<kLayout>::kMaxGroups, epilogue::RowsScattered>;
 constexpr int kMaxGroups = Config<1, MOEFUSE_B_LAYOUT_NK>::kMaxGroups;
+static_assert(Config100<MOEFUSE_B_LAYOUT_NK>::kMaxGroups == kMaxGroups, "down scatter: both archs' group limits");
 
 moefuse_status check(const moefuse_down_scatter_args* a, const char* name) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
@@ -53,10 +61,10 @@ moefuse_status check(const moefuse_down_scatter_args* a, const char* name) {
 }
 
 // The plain contiguous GEMM's parameters over the same operands (D unused: the row store
-// goes through row_dst), then the scattered store.
-template <int kClusterM, moefuse_b_layout kLayout>
+// goes through row_dst), then the scattered store: Cfg/K the Hopper config and kernel (CTA
+// pairs with kClusterM = 2) or the Blackwell ones.
+template <class Cfg, class K, int kClusterM, moefuse_b_layout kLayout>
 moefuse_status launch(const moefuse_down_scatter_args& a, int sms, cudaStream_t stream, const char* name) {
-  using K = ScatterKernel<kClusterM, kLayout>;
   moefuse_grouped_gemm_args g{};
   g.num_groups = a.experts;
   g.total_rows = a.rows;
@@ -70,13 +78,23 @@ moefuse_status launch(const moefuse_down_scatter_args& a, int sms, cudaStream_t 
   g.d = nullptr;
   g.alpha = 1.f;
   g.beta = 0.f;
-  typename K::Params p =
-      sm90::ContiguousGroupedLauncher<Config<kClusterM, kLayout>>::template params<typename K::Params>(g);
+  typename K::Params p = ContiguousGroupedLauncher<Cfg>::template params<typename K::Params>(g);
   p.row_at = epilogue::RowsScattered{a.row_dst};
   const int64_t n_blocks = (a.hidden + K::kTileN - 1) / K::kTileN;
   const int64_t max_units = (int64_t(a.rows) / (int64_t(K::kTileM) * kClusterM) + a.experts) * n_blocks;
-  return launch_on_clusters<kClusterM, &kernel::sm90_contiguous_grouped_kernel<K>>(K::kThreads, K::kSharedBytes, sms,
-                                                                                   max_units, stream, name, p);
+  return launch_on_clusters<kClusterM, Cfg::template kEntry<K>>(K::kThreads, K::kSharedBytes, sms, max_units, stream,
+                                                                name, p);
+}
+
+template <int kClusterM, moefuse_b_layout kLayout>
+moefuse_status launch90(const moefuse_down_scatter_args& a, int sms, cudaStream_t stream, const char* name) {
+  return launch<Config<kClusterM, kLayout>, ScatterKernel<kClusterM, kLayout>, kClusterM, kLayout>(a, sms, stream,
+                                                                                                   name);
+}
+
+template <moefuse_b_layout kLayout>
+moefuse_status launch100(const moefuse_down_scatter_args& a, int sms, cudaStream_t stream, const char* name) {
+  return launch<Config100<kLayout>, ScatterKernel100<kLayout>, 1, kLayout>(a, sms, stream, name);
 }
 
 }  // namespace
@@ -88,14 +106,20 @@ extern "C" moefuse_status moefuse_moe_down_scatter(const moefuse_down_scatter_ar
   const char* name = "moefuse_moe_down_scatter";
   moefuse_status st = check(a, name);
   if (st != MOEFUSE_STATUS_OK) return st;
-  int device = 0, sms = 0;
-  st = moefuse::check_device(9, 0, name, &sms, &device);
+  int device = 0, sms = 0, major = 0;
+  st = moefuse::device_major(&major);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  st = moefuse::check_device(major == 10 ? 10 : 9, 0, name, &sms, &device);
   if (st != MOEFUSE_STATUS_OK) return st;
   if (a->rows == 0) return MOEFUSE_STATUS_OK;
   const auto s = static_cast<cudaStream_t>(stream);
-  const bool pairs = moefuse::cluster_pairs_pay(a->rows, a->experts, 128);
-  if (a->b_layout == MOEFUSE_B_LAYOUT_KN) {
-    return pairs ? launch<2, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name) : launch<1, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name);
+  const bool kn = a->b_layout == MOEFUSE_B_LAYOUT_KN;
+  if (major == 10) {
+    return kn ? launch100<MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name) : launch100<MOEFUSE_B_LAYOUT_NK>(*a, sms, s, name);
   }
-  return pairs ? launch<2, MOEFUSE_B_LAYOUT_NK>(*a, sms, s, name) : launch<1, MOEFUSE_B_LAYOUT_NK>(*a, sms, s, name);
+  const bool pairs = moefuse::cluster_pairs_pay(a->rows, a->experts, 128);
+  if (kn) {
+    return pairs ? launch90<2, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name) : launch90<1, MOEFUSE_B_LAYOUT_KN>(*a, sms, s, name);
+  }
+  return pairs ? launch90<2, MOEFUSE_B_LAYOUT_NK>(*a, sms, s, name) : launch90<1, MOEFUSE_B_LAYOUT_NK>(*a, sms, s, name);
 }

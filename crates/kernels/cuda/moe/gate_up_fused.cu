@@ -227,14 +227,6 @@ moefuse_status launch(const moefuse_gate_up_args& a, int sms, cudaStream_t strea
   }
 }
 
-// The compute capability's major number of the current device (9 and 10 have kernels).
-moefuse_status device_major(int* major) {
-  int device = 0;
-  moefuse_status st = moefuse::from_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (st != MOEFUSE_STATUS_OK) return st;
-  return moefuse::from_cuda(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device),
-                            "cudaDeviceGetAttribute(major)");
-}
 
 }  // namespace
 }  // namespace moefuse::moe
@@ -246,7 +238,7 @@ extern "C" moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* 
   moefuse_status st = check(a, name);
   if (st != MOEFUSE_STATUS_OK) return st;
   int device = 0, sms = 0, major = 0;
-  st = device_major(&major);
+  st = moefuse::device_major(&major);
   if (st != MOEFUSE_STATUS_OK) return st;
   st = moefuse::check_device(major == 10 ? 10 : 9, 0, name, &sms, &device);
   if (st != MOEFUSE_STATUS_OK) return st;

@@ -73,4 +73,14 @@ inline moefuse_status check_device(int major, int minor, const char* variant, in
                    "cudaDeviceGetAttribute(sm count)");
 }
 
+// The compute capability's major number of the current device (the MoE launchers pick their
+// Hopper or Blackwell kernel by it; check_device then checks the exact capability).
+inline moefuse_status device_major(int* major) {
+  int device = 0;
+  moefuse_status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (st != MOEFUSE_STATUS_OK) return st;
+  return from_cuda(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device),
+                   "cudaDeviceGetAttribute(major)");
+}
+
 }  // namespace moefuse
