@@ -115,7 +115,7 @@ fn eta(compiled_secs: &[f64], left: usize, jobs: usize) -> String {
 /// capability check keeps from running: their twins are not written yet).
 const FAT_TENSOR_CORE: &[(&str, &[Arch])] = &[
     ("gate_up_fused", &[Arch::Sm90a, Arch::Sm100a]),
-    ("down_dgrad_fused", &[Arch::Sm90a]),
+    ("down_dgrad_fused", &[Arch::Sm90a, Arch::Sm100a]),
     ("down_scatter", &[Arch::Sm90a, Arch::Sm100a]),
 ];
 

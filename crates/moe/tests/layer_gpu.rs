@@ -13,8 +13,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use layer_common::{build, cases, check_case, e, f32s, inputs, to_bf, Built};
 use moefuse::gpu::{
-    gate_up_fused_auto, gate_up_fused_supported, ActivationBackwardPath, GateUpPath, Gradients,
-    Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
+    gate_up_fused_supported, ActivationBackwardPath, GateUpPath, Gradients, Mode, MoeLayer,
+    MoePlan, MoeWorkspace, Routing, Weights,
 };
 use moefuse::model::MoeWeights;
 
@@ -38,8 +38,8 @@ fn layer_cases_unfused(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// layer's own rule leaves it off at these sizes), and with it apart.
 fn layer_cases_activation_backward(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
-    if !gate_up_fused_auto(&stream).map_err(e)? {
-        println!("SKIP fused activation backward: not an sm_90a device or build");
+    if !gate_up_fused_supported(&stream).map_err(e)? {
+        println!("SKIP fused activation backward: not an sm_90a or sm_100a device or build");
         return cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Unfused, None);
     }
     cases_on(ctx, GateUpPath::Auto, ActivationBackwardPath::Fused, None)?;
@@ -279,8 +279,8 @@ fn workspace_follows_the_paths(ctx: &Arc<CudaContext>) -> Result<(), String> {
             layer.workspace_bytes()
         ));
     }
-    if !gate_up_fused_auto(&stream).map_err(e)? {
-        println!("SKIP workspace_follows_the_paths' fused half: not an sm_90a device or build");
+    if !gate_up_fused_supported(&stream).map_err(e)? {
+        println!("SKIP workspace_follows_the_paths' fused half: not an sm_90a or sm_100a device or build");
         return Ok(());
     }
     layer

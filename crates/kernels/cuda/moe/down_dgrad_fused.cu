@@ -4,14 +4,18 @@
 // producer, with epilogue::ActivationBackwardRows in place of the store, then a small kernel
 // that sums each row's per-block partials into d_weights in block order. CTA pairs share
 // W_e's tiles when the experts average two m-blocks of rows (the fused gate_up's rule;
-// MOEFUSE_DOWN_DGRAD_CLUSTER = 1 | 2 forces one, an A/B knob read once per process). A fat
-// object like the other MoE kernels: its sm_90a image carries the kernel, any other image a
-// trap the capability check keeps from running.
+// MOEFUSE_DOWN_DGRAD_CLUSTER = 1 | 2 forces one, an A/B knob read once per process). On
+// compute capability 10.0 the Blackwell contiguous kernel (kernel/sm100_contiguous_grouped.cuh,
+// single CTAs) runs with epilogue::ActivationBackwardRow. A fat object like the other MoE
+// kernels: each arch's image carries its own kernel, the other one a trap the capability
+// check keeps from running.
 
 #include "moefuse/common/group_layout.cuh"
+#include "moefuse/epilogue/activation_backward_row.cuh"
 #include "moefuse/epilogue/activation_backward_rows.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe_abi.h"
+#include "moefuse/sm100/contiguous_grouped_gemm.cuh"
 #include "moefuse/sm90/contiguous_grouped_gemm.cuh"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
@@ -29,10 +33,14 @@ template <int kClusterM>
 using FusedKernel =
     kernel::Sm90ContiguousGrouped<typename Config<kClusterM>::CollectiveMainloop, Config<kClusterM>::kMaxGroups,
                                   epilogue::RowsInOrder, epilogue::ActivationBackwardRows>;
+using Config100 = sm100::ContiguousGroupedBf16<128, 256, 64, 1, 1, sm100::Contiguous, MOEFUSE_B_LAYOUT_KN>;
+using FusedKernel100 = kernel::Sm100ContiguousGrouped<typename Config100::CollectiveMainloop, Config100::kMaxGroups,
+                                                      epilogue::RowsInOrder, epilogue::ActivationBackwardRow>;
 constexpr int kMaxGroups = Config<1>::kMaxGroups;
 static_assert(FusedKernel<1>::kTileN == MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK &&
-                  FusedKernel<2>::kTileN == MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK,
-              "down dgrad fused: one partial per tile column block");
+                  FusedKernel<2>::kTileN == MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK &&
+                  FusedKernel100::kTileN == MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK && Config100::kMaxGroups == kMaxGroups,
+              "down dgrad fused: one partial per tile column block, the same group limit on both archs");
 
 int column_blocks(int intermediate) {
   return (intermediate + MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK - 1) / MOEFUSE_DOWN_DGRAD_COLUMN_BLOCK;
@@ -98,12 +106,11 @@ moefuse_grouped_gemm_args gemm_problem(const moefuse_down_dgrad_args& a) {
   return g;
 }
 
-template <int kClusterM>
+// Cfg/K: the Hopper config and kernel (CTA pairs with kClusterM = 2) or the Blackwell ones.
+template <class Cfg, class K, int kClusterM>
 moefuse_status launch(const moefuse_down_dgrad_args& a, const moefuse_grouped_gemm_args& g, int sms,
                       cudaStream_t stream, const char* name) {
-  using K = FusedKernel<kClusterM>;
-  typename K::Params p =
-      ContiguousGroupedLauncher<Config<kClusterM>>::template params<typename K::Params>(g);
+  typename K::Params p = ContiguousGroupedLauncher<Cfg>::template params<typename K::Params>(g);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   p.fusion.h_pre = reinterpret_cast<const __nv_bfloat16*>(a.h_pre);
   p.fusion.d_h_pre = reinterpret_cast<__nv_bfloat16*>(a.d_h_pre);
@@ -118,8 +125,8 @@ moefuse_status launch(const moefuse_down_dgrad_args& a, const moefuse_grouped_ge
   p.fusion.act = ActivationProblem{a.activation, a.layout, a.intermediate, a.alpha, a.limit, gated};
   const int64_t n_blocks = p.fusion.n_blocks;
   const int64_t max_units = (int64_t(g.total_rows) / (int64_t(K::kTileM) * kClusterM) + a.experts) * n_blocks;
-  return launch_on_clusters<kClusterM, &kernel::sm90_contiguous_grouped_kernel<K>>(K::kThreads, K::kSharedBytes, sms,
-                                                                                   max_units, stream, name, p);
+  return launch_on_clusters<kClusterM, Cfg::template kEntry<K>>(K::kThreads, K::kSharedBytes, sms, max_units, stream,
+                                                                name, p);
 }
 
 // d_weights[source_of[r]] = the row's partials summed in block order, for the rows the
@@ -158,8 +165,10 @@ extern "C" moefuse_status moefuse_moe_down_dgrad_fused(const moefuse_down_dgrad_
   const char* name = "moefuse_moe_down_dgrad_fused";
   moefuse_status st = check(a, name);
   if (st != MOEFUSE_STATUS_OK) return st;
-  int device = 0, sms = 0;
-  st = moefuse::check_device(9, 0, name, &sms, &device);
+  int device = 0, sms = 0, major = 0;
+  st = moefuse::device_major(&major);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  st = moefuse::check_device(major == 10 ? 10 : 9, 0, name, &sms, &device);
   if (st != MOEFUSE_STATUS_OK || a->tokens == 0) return st;
   const moefuse_grouped_gemm_args g = gemm_problem(*a);
   st = moefuse::ContiguousGroupedLauncher<Config<1>>::check(&g, name);
@@ -167,7 +176,12 @@ extern "C" moefuse_status moefuse_moe_down_dgrad_fused(const moefuse_down_dgrad_
   st = moefuse::check_grouped_pointers(&g, name, /*gathers_b=*/false, /*gathers_a=*/true);
   if (st != MOEFUSE_STATUS_OK) return st;
   const auto s = static_cast<cudaStream_t>(stream);
-  st = cluster_pairs(*a) ? launch<2>(*a, g, sms, s, name) : launch<1>(*a, g, sms, s, name);
+  if (major == 10) {
+    st = launch<Config100, FusedKernel100, 1>(*a, g, sms, s, name);
+  } else {
+    st = cluster_pairs(*a) ? launch<Config<2>, FusedKernel<2>, 2>(*a, g, sms, s, name)
+                           : launch<Config<1>, FusedKernel<1>, 1>(*a, g, sms, s, name);
+  }
   if (st != MOEFUSE_STATUS_OK) return st;
   const int rows = g.total_rows;
   const int blocks = (rows + 255) / 256 < 1024 ? (rows + 255) / 256 : 1024;

@@ -36,8 +36,10 @@ pub struct GateUpInputs<'a> {
     pub w: &'a dyn DevicePtr<bf16>,
 }
 
-/// Whether [`gate_up_fused`] runs on `stream`'s device: compute capability 9.0 with the MoE
-/// kernels built for `sm_90a`, or 10.0 with them built for `sm_100a`.
+/// Whether [`gate_up_fused`] (and the fused down dgrad behind
+/// [`ActivationBackwardPath::Fused`](crate::gpu::ActivationBackwardPath::Fused)) runs on
+/// `stream`'s device: compute capability 9.0 with the MoE kernels built for `sm_90a`, or 10.0
+/// with them built for `sm_100a`.
 ///
 /// ```no_run
 /// let ctx = cudarc::driver::CudaContext::new(0)?;
@@ -46,15 +48,17 @@ pub struct GateUpInputs<'a> {
 /// ```
 pub fn gate_up_fused_supported(stream: &Arc<CudaStream>) -> Result<bool, MoeError> {
     let kernels = Kernels::new(stream.context())?;
-    Ok(gate_up_runs_on(&kernels))
+    Ok(fused_kernels_run_on(&kernels))
 }
 
-/// Whether the automatic choices ([`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto), the
-/// expert-parallel layer's gate_up) may take the fused gate_up on `stream`'s device: on
-/// `sm_90a`, where it was verified and measured. The `sm_100a` kernel is built and its SASS
-/// checked, but no B200 has run it yet: there it runs only when asked for
-/// ([`MoeLayer::set_gate_up_path`](crate::gpu::MoeLayer::set_gate_up_path), a pulled
-/// expert-parallel delivery, or [`gate_up_fused`] itself).
+/// Whether the automatic choices ([`GateUpPath::Auto`](crate::gpu::GateUpPath::Auto),
+/// [`ActivationBackwardPath::Auto`](crate::gpu::ActivationBackwardPath::Auto), the
+/// expert-parallel layer's gate_up and pulled rows) may take the fused kernels on `stream`'s
+/// device: on `sm_90a`, where they were verified and measured. The `sm_100a` twins are built
+/// and their SASS checked, but no B200 has run them yet: there they run only when asked for
+/// ([`MoeLayer::set_gate_up_path`](crate::gpu::MoeLayer::set_gate_up_path),
+/// [`MoeLayer::set_activation_backward_path`](crate::gpu::MoeLayer::set_activation_backward_path),
+/// or [`gate_up_fused`] itself).
 ///
 /// ```no_run
 /// let ctx = cudarc::driver::CudaContext::new(0)?;
@@ -156,7 +160,7 @@ pub const FUSED_ACTIVATION_BWD_MIN_HIDDEN: usize = 4096;
 
 /// Whether the fused down dgrad (routed activation backward in its epilogue) is the faster
 /// backward for `cfg` (`hidden >= `[`FUSED_ACTIVATION_BWD_MIN_HIDDEN`]); whether the device
-/// runs it is [`gate_up_fused_supported`] (the same sm_90a build).
+/// runs it is [`gate_up_fused_supported`] (the same sm_90a or sm_100a build).
 ///
 /// ```
 /// use moefuse::{gpu::fused_activation_backward_preferred, MoeConfig};
@@ -171,8 +175,8 @@ pub(super) fn supported_by(kernels: &Kernels) -> bool {
     kernels.arch() == VariantArch::Sm90a && mk::built_archs().contains(&VariantArch::Sm90a.name())
 }
 
-/// The fused gate_up runs here (`sm_90a` or `sm_100a`, built).
-pub(super) fn gate_up_runs_on(kernels: &Kernels) -> bool {
+/// The fused kernels (gate_up, down dgrad) run here (`sm_90a` or `sm_100a`, built).
+pub(super) fn fused_kernels_run_on(kernels: &Kernels) -> bool {
     let arch = kernels.arch();
     matches!(arch, VariantArch::Sm90a | VariantArch::Sm100a)
         && mk::built_archs().contains(&arch.name())

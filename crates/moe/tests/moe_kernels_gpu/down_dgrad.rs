@@ -273,8 +273,8 @@ pub fn fused_down_dgrad(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.default_stream();
     let kernels = Kernels::new(ctx).map_err(err("kernels"))?;
     let seed = Rng::fresh_seed();
-    if !moefuse::gpu::gate_up_fused_auto(&stream).map_err(err("supported"))? {
-        // Off sm_90a the launcher refuses with an arch error, before any launch.
+    if !moefuse::gpu::gate_up_fused_supported(&stream).map_err(err("supported"))? {
+        // Off sm_90a and sm_100a the launcher refuses with an arch error, before any launch.
         let refused = check_case(
             &stream,
             &kernels,

@@ -1,6 +1,6 @@
 //! [`ActivationBackwardPath`]: whether a Training layer's backward runs the routed
-//! activation backward in the down dgrad's epilogue (one kernel, sm_90a) or as a kernel of
-//! its own after the dgrad.
+//! activation backward in the down dgrad's epilogue (one kernel, sm_90a or its sm_100a
+//! twin) or as a kernel of its own after the dgrad.
 
 use super::MoeLayer;
 use crate::MoeError;
@@ -22,8 +22,9 @@ pub enum ActivationBackwardPath {
     Auto,
     /// The down dgrad writes `dh_u`, then the routed activation backward reads it.
     Unfused,
-    /// One kernel (sm_90a; it reads `dy`'s token rows by `source_of`): the down dgrad's
-    /// epilogue runs the routed activation backward on its tile; `dh_u` is never written.
+    /// One kernel (sm_90a, or its sm_100a twin where asked for; it reads `dy`'s token rows
+    /// by `source_of`): the down dgrad's epilogue runs the routed activation backward on its
+    /// tile; `dh_u` is never written.
     Fused,
 }
 
@@ -82,8 +83,8 @@ impl MoeLayer {
             }
             if !self.fused_activation_backward_runs() {
                 return Err(MoeError::Unsupported {
-                    what: "the fused activation backward needs an sm_90a device and a build \
-                           with sm_90a kernels",
+                    what: "the fused activation backward needs an sm_90a or sm_100a device and \
+                           a build with its kernels",
                 });
             }
         }
@@ -91,10 +92,10 @@ impl MoeLayer {
         Ok(())
     }
 
-    /// Whether the device runs the fused kernel (sm_90a; it reads dy by `source_of`
-    /// itself, whatever variant the unfused dgrad's plan chose).
+    /// Whether the device runs the fused kernel (sm_90a or its sm_100a twin; it reads dy by
+    /// `source_of` itself, whatever variant the unfused dgrad's plan chose).
     fn fused_activation_backward_runs(&self) -> bool {
-        crate::gpu::fused::supported_by(self.gemm.kernels())
+        crate::gpu::fused::fused_kernels_run_on(self.gemm.kernels())
     }
 
     /// Whether this backward runs the fused kernel.
@@ -106,10 +107,16 @@ impl MoeLayer {
             && match self.activation_backward_path {
                 ActivationBackwardPath::Fused => true,
                 ActivationBackwardPath::Unfused => false,
-                ActivationBackwardPath::Auto => b.forced_activation_backward.unwrap_or_else(|| {
-                    AUTO_FUSES_ACTIVATION_BACKWARD
-                        && crate::gpu::fused_activation_backward_preferred(self.plan.config())
-                }),
+                // Auto (and its A/B override) only where the kernel was measured: sm_90a.
+                ActivationBackwardPath::Auto => {
+                    crate::gpu::fused::supported_by(self.gemm.kernels())
+                        && b.forced_activation_backward.unwrap_or_else(|| {
+                            AUTO_FUSES_ACTIVATION_BACKWARD
+                                && crate::gpu::fused_activation_backward_preferred(
+                                    self.plan.config(),
+                                )
+                        })
+                }
             }
     }
 }

@@ -585,7 +585,7 @@ impl MoeLayer {
     /// ```
     pub fn set_gate_up_path(&mut self, path: GateUpPath) -> Result<(), MoeError> {
         let fused = matches!(path, GateUpPath::FusedActivation | GateUpPath::FusedGather);
-        if fused && !crate::gpu::fused::gate_up_runs_on(self.gemm.kernels()) {
+        if fused && !crate::gpu::fused::fused_kernels_run_on(self.gemm.kernels()) {
             return Err(MoeError::Unsupported {
                 what: "the fused gate_up needs an sm_90a or sm_100a device and a build with its kernels",
             });

@@ -13,10 +13,12 @@
 //   4      MMA (kernel/sm100_umma.cuh): 128 x 256 x 16 UMMAs into two tensor-memory
 //          accumulators
 //   5-8    epilogue: one tile row per thread from tensor memory, alpha/beta, stored through
-//          RowAt_ (D's row, or a per-row address: the expert-parallel combine), 16-byte stores
+//          RowAt_ (D's row, or a per-row address: the expert-parallel combine), 16-byte
+//          stores; or a fused per-row epilogue (Fusion_)
 //
-// Single CTAs (no W_e multicast to pairs yet), no fused epilogues yet (the down dgrad's
-// routed activation backward stays an sm_90a kernel), no L2 prefetch of the next tile.
+// Single CTAs (no W_e multicast to pairs yet), no L2 prefetch of the next tile. The fused
+// epilogue of the down dgrad (the routed activation backward) is
+// epilogue/activation_backward_row.cuh.
 // NOTES: not yet run on a B200 (none can be reached from this project's machines): built and
 // SASS-checked in CI; the sm100 heuristic does not pick the `_contig` variants until the
 // grouped tests have passed on one.
@@ -30,7 +32,11 @@
 
 namespace moefuse::kernel {
 
-template <class Mainloop_, int kMaxGroups_, class RowAt_ = epilogue::RowsInOrder>
+// RowAt_: where the plain store puts each row (epilogue::RowsInOrder or RowsScattered).
+// Fusion_: epilogue::NoFusion (the plain store) or a per-row fused epilogue with
+// `store<kTileN>(params, acc, row, col0, cols, n_block)` (epilogue::ActivationBackwardRow: the
+// down dgrad's routed activation backward).
+template <class Mainloop_, int kMaxGroups_, class RowAt_ = epilogue::RowsInOrder, class Fusion_ = epilogue::NoFusion>
 struct Sm100ContiguousGrouped {
   using Mainloop = Mainloop_;
   using TileShape = typename Mainloop::TileShape;
@@ -106,6 +112,7 @@ struct Sm100ContiguousGrouped {
     int a_rows_div;
     int a_source_rows;
     RowAt_ row_at;
+    typename Fusion_::Params fusion;  // the fused epilogue's operands (empty for NoFusion)
   };
 
   // ---- producers ---------------------------------------------------------------------------
@@ -268,7 +275,12 @@ struct Sm100ContiguousGrouped {
         sm100::tmem_fence_after_sync();
         const uint32_t acc = sm100::accumulator_row_address<kAccColumns>(tmem_base, warp_idx, int(drain.index()));
         const int col0 = tile.n_block * kTileN;
-        store_row(p, acc, r < tile.rows ? tile.row0 + r : -1, col0, min(kTileN, p.n - col0));
+        const int row = r < tile.rows ? tile.row0 + r : -1;
+        if constexpr (Fusion_::kFused) {
+          Fusion_::template store<kTileN>(p.fusion, acc, row, col0, min(kTileN, p.n - col0), tile.n_block);
+        } else {
+          store_row(p, acc, row, col0, min(kTileN, p.n - col0));
+        }
         sm100::tmem_fence_before_sync();
         accumulators.consumer_release(drain);
         ++drain;
