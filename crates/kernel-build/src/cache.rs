@@ -13,12 +13,21 @@
 //! Writes are atomic: an entry is built in a private staging folder and renamed into place,
 //! so a killed build never leaves a torn object that a later build reuses, and two builds of
 //! the same key at once both end with one complete entry.
+//!
+//! A key keeps up to [`HEADER_SETS_PER_KEY`] entries, one per set of recorded header
+//! contents (`<key>/v-<hash of deps>/`): checkouts of commits whose shared headers differ
+//! (two branches, or a CI run beside a newer build) each find their own objects instead of
+//! replacing each other's. Entries of the older flat layout (`<key>/<product>`) are still
+//! read.
 
 use crate::{io_err, BuildError};
 use sha2::{Digest, Sha256};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Entries kept per key, one per set of header contents; past this the oldest is removed.
+pub const HEADER_SETS_PER_KEY: usize = 4;
 
 /// Bumped when the entry format or key recipe changes: older entries are never looked up.
 pub(crate) const CACHE_FORMAT: &str = "moefuse-kernel-cache-v2";
@@ -130,12 +139,41 @@ impl Cache {
         Ok(path)
     }
 
-    /// The cached `product` (e.g. `object.o`) of `key` if its recorded dependencies,
-    /// resolved against `roots`, are unchanged.
+    /// The cached `product` (e.g. `object.o`) of `key` whose recorded dependencies, resolved
+    /// against `roots`, are unchanged (any of the key's header sets).
     pub fn lookup(&self, key: &str, product: &str, roots: &DepRoots<'_>) -> Option<PathBuf> {
         let entry = self.entry(key);
-        let object = entry.join(product);
-        let deps = fs::read_to_string(entry.join("deps")).ok()?;
+        Self::lookup_in(&entry, product, roots).or_else(|| {
+            Self::header_sets(&entry)
+                .iter()
+                .find_map(|d| Self::lookup_in(d, product, roots))
+        })
+    }
+
+    /// The header-set folders of an entry (`v-*`), oldest first.
+    fn header_sets(entry: &Path) -> Vec<PathBuf> {
+        let Ok(dir) = fs::read_dir(entry) else {
+            return Vec::new();
+        };
+        let mut sets: Vec<(std::time::SystemTime, PathBuf)> = dir
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("v-"))
+            .map(|e| {
+                let when = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::UNIX_EPOCH);
+                (when, e.path())
+            })
+            .collect();
+        sets.sort();
+        sets.into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// `product` in one folder if its `deps` match the checkout.
+    fn lookup_in(dir: &Path, product: &str, roots: &DepRoots<'_>) -> Option<PathBuf> {
+        let object = dir.join(product);
+        let deps = fs::read_to_string(dir.join("deps")).ok()?;
         if !object.is_file() || deps.trim().is_empty() {
             return None;
         }
@@ -175,9 +213,10 @@ impl Cache {
         fs::write(&path, text).map_err(io_err(path))
     }
 
-    /// Moves a complete staging folder into place as `key`'s entry and returns the entry's
-    /// `product`. When another build published the same key first, its entry is kept if it
-    /// is valid (ours is discarded), else replaced.
+    /// Moves a complete staging folder into place as the entry of `key` for its recorded
+    /// header set and returns its `product`; the key's oldest header sets beyond
+    /// [`HEADER_SETS_PER_KEY`] are removed. When another build published the same key and
+    /// header set first, its entry is kept if it is valid (ours is discarded), else replaced.
     pub fn publish(
         &self,
         staging: &Path,
@@ -186,22 +225,37 @@ impl Cache {
         roots: &DepRoots<'_>,
     ) -> Result<PathBuf, BuildError> {
         let entry = self.entry(key);
+        fs::create_dir_all(&entry).map_err(io_err(&entry))?;
+        let deps_path = staging.join("deps");
+        let deps = fs::read(&deps_path).map_err(io_err(&deps_path))?;
+        let set = entry.join(format!("v-{}", &hash_bytes(&[&deps])[..16]));
         for _ in 0..3 {
-            match fs::rename(staging, &entry) {
-                Ok(()) => return Ok(entry.join(product)),
-                Err(_) if entry.exists() => {
-                    if let Some(existing) = self.lookup(key, product, roots) {
+            match fs::rename(staging, &set) {
+                Ok(()) => {
+                    let sets = Self::header_sets(&entry);
+                    for old in sets
+                        .iter()
+                        .take(sets.len().saturating_sub(HEADER_SETS_PER_KEY))
+                    {
+                        if *old != set {
+                            let _ = fs::remove_dir_all(old);
+                        }
+                    }
+                    return Ok(set.join(product));
+                }
+                Err(_) if set.exists() => {
+                    if let Some(existing) = Self::lookup_in(&set, product, roots) {
                         let _ = fs::remove_dir_all(staging);
                         return Ok(existing);
                     }
-                    // A stale or torn entry (e.g. an older format): replace it.
-                    let _ = fs::remove_dir_all(&entry);
+                    // A torn set (should not happen: sets are renamed in whole): replace it.
+                    let _ = fs::remove_dir_all(&set);
                 }
-                Err(e) => return Err(io_err(&entry)(e)),
+                Err(e) => return Err(io_err(&set)(e)),
             }
         }
         Err(BuildError::CacheDir {
-            path: entry,
+            path: set,
             reason: "could not publish the entry (another build keeps replacing it)".into(),
         })
     }
@@ -413,6 +467,40 @@ mod tests {
         };
         assert!(hit(&k2, &s2), "same content in another folder must hit");
         assert!(!hit(&k3, &s3), "other header content must miss");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn checkouts_with_other_headers_keep_their_own_objects() {
+        let dir = temp("cache-sets");
+        let (k1, s1) = checkout(&dir.join("older"), "old header");
+        let (k2, s2) = checkout(&dir.join("newer"), "new header");
+        let cache = Cache::new(dir.join("cache"));
+        let hit = |k: &Path, s: &Path| {
+            let roots = DepRoots {
+                kernels: k,
+                source_dir: s,
+            };
+            cache.lookup("k", "object.o", &roots).is_some()
+        };
+        build(&cache, "k", &k1, &s1);
+        build(&cache, "k", &k2, &s2);
+        assert!(
+            hit(&k1, &s1),
+            "the older checkout's object must survive the newer build"
+        );
+        assert!(hit(&k2, &s2), "the newer checkout's object must be found");
+        // Past HEADER_SETS_PER_KEY sets, the oldest goes.
+        for i in 0..HEADER_SETS_PER_KEY {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let (k, s) = checkout(&dir.join(format!("more{i}")), &format!("header {i}"));
+            build(&cache, "k", &k, &s);
+        }
+        assert!(!hit(&k1, &s1), "the oldest set must have been removed");
+        assert_eq!(
+            Cache::header_sets(&cache.entry("k")).len(),
+            HEADER_SETS_PER_KEY
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 
