@@ -57,7 +57,6 @@ struct Sm100ContiguousGrouped {
   using StagePipeline = sm100::StagePipeline<kStages>;
   using StageState = cutlass::PipelineState<kStages>;
   using AccPipeline = sm100::AccPipeline;
-  using AccState = typename AccPipeline::PipelineState;
   using Umma = sm100::UmmaOperands<Mainloop>;
   static constexpr uint32_t kAccColumns = Umma::kAccColumns;
   static_assert(sm100::kAccStages * kAccColumns <= 512, "sm100 contiguous grouped GEMM: accumulators over 512 columns");
@@ -229,11 +228,8 @@ struct Sm100ContiguousGrouped {
     StagePipeline& stages = pipes.stages;
     AccPipeline& accumulators = pipes.accumulators;
 
-    cute::TMEM::Allocator1Sm tmem;
-    if (mma) {
-      tmem.allocate(kTmemColumns, &shared.tmem_base);
-      tmem.release_allocation_lock();
-    }
+    sm100::TensorMemory<kTmemColumns> tmem;
+    if (mma) tmem.allocate(&shared.tmem_base);
     __syncthreads();  // barriers, the group table and the tensor-memory base visible to every role
     const uint32_t tmem_base = shared.tmem_base;
 
@@ -257,34 +253,19 @@ struct Sm100ContiguousGrouped {
       }
       __syncwarp();
     } else if (mma) {
-      TiledMma tiled_mma;
-      auto [tCrA, tCrB, acc] = Umma::make(shared.tensors, tmem_base);
-      auto* empty = reinterpret_cast<uint64_t*>(&shared.stages.empty_barrier_[0]);
-      StageState read;
-      AccState fill = cutlass::make_producer_start_state<AccPipeline>();
-      while (scheduler.next(tile)) {
-        sm100::mma_tile(tiled_mma, tCrA, tCrB, acc, stages, read, empty, accumulators, fill, k_tiles);
-      }
-      accumulators.producer_tail(fill);  // every accumulator read before the memory is freed
-      tmem.free(tmem_base, kTmemColumns);
+      sm100::mma_warp<Mainloop>(scheduler, shared, stages, accumulators, tmem, tmem_base, k_tiles);
     } else {
       const int r = (warp_idx % 4) * 32 + thread_idx % 32;  // this thread's tile row (its lane)
-      AccState drain;
-      while (scheduler.next(tile)) {
-        accumulators.consumer_wait(drain);
-        sm100::tmem_fence_after_sync();
-        const uint32_t acc = sm100::accumulator_row_address<kAccColumns>(tmem_base, warp_idx, int(drain.index()));
-        const int col0 = tile.n_block * kTileN;
-        const int row = r < tile.rows ? tile.row0 + r : -1;
-        if constexpr (Fusion_::kFused) {
-          Fusion_::template store<kTileN>(p.fusion, acc, row, col0, min(kTileN, p.n - col0), tile.n_block);
-        } else {
-          store_row(p, acc, row, col0, min(kTileN, p.n - col0));
-        }
-        sm100::tmem_fence_before_sync();
-        accumulators.consumer_release(drain);
-        ++drain;
-      }
+      sm100::epilogue_warps<kAccColumns>(
+          scheduler, accumulators, tmem_base, warp_idx, [&](uint32_t acc, sched::GroupTile const& t) {
+            const int col0 = t.n_block * kTileN, cols = min(kTileN, p.n - col0);
+            const int row = r < t.rows ? t.row0 + r : -1;
+            if constexpr (Fusion_::kFused) {
+              Fusion_::template store<kTileN>(p.fusion, acc, row, col0, cols, t.n_block);
+            } else {
+              store_row(p, acc, row, col0, cols);
+            }
+          });
     }
 #else
     // Built for another arch: the launcher's capability check keeps this from running.

@@ -67,7 +67,6 @@ struct Sm100GateUpFused {
   using StagePipeline = sm100::StagePipeline<kStages>;
   using StageState = cutlass::PipelineState<kStages>;
   using AccPipeline = sm100::AccPipeline;
-  using AccState = typename AccPipeline::PipelineState;
   using Umma = sm100::UmmaOperands<Mainloop>;
   static constexpr uint32_t kAccColumns = Umma::kAccColumns;
   static_assert(sm100::kAccStages * kAccColumns == 512, "sm100 fused gate_up: two accumulators fill the tensor memory");
@@ -184,11 +183,8 @@ struct Sm100GateUpFused {
     StagePipeline& stages = pipes.stages;
     AccPipeline& accumulators = pipes.accumulators;
 
-    cute::TMEM::Allocator1Sm tmem;
-    if (mma) {
-      tmem.allocate(cute::TMEM::Allocator1Sm::Sm100TmemCapacityColumns, &shared.tmem_base);
-      tmem.release_allocation_lock();
-    }
+    sm100::TensorMemory<sm100::kAccStages * kAccColumns> tmem;
+    if (mma) tmem.allocate(&shared.tmem_base);
     __syncthreads();  // barriers, the group table and the tensor-memory base visible to every role
     const uint32_t tmem_base = shared.tmem_base;
 
@@ -210,30 +206,14 @@ struct Sm100GateUpFused {
       if (warp_idx == 0 && cute::elect_one_sync()) stages.producer_tail(write);
       __syncwarp();
     } else if (mma) {
-      TiledMma tiled_mma;
-      auto [tCrA, tCrB, acc] = Umma::make(shared.tensors, tmem_base);
-      auto* empty = reinterpret_cast<uint64_t*>(&shared.stages.empty_barrier_[0]);
-      StageState read;
-      AccState fill = cutlass::make_producer_start_state<AccPipeline>();
-      while (scheduler.next(tile)) {
-        sm100::mma_tile(tiled_mma, tCrA, tCrB, acc, stages, read, empty, accumulators, fill, k_tiles);
-      }
-      // Every accumulator read before the tensor memory is freed.
-      accumulators.producer_tail(fill);
-      tmem.free(tmem_base, cute::TMEM::Allocator1Sm::Sm100TmemCapacityColumns);
+      sm100::mma_warp<Mainloop>(scheduler, shared, stages, accumulators, tmem, tmem_base, k_tiles);
     } else {
       const int r = (warp_idx % 4) * 32 + thread_idx % 32;  // this thread's tile row (its lane)
-      AccState drain;
-      while (scheduler.next(tile)) {
-        accumulators.consumer_wait(drain);
-        sm100::tmem_fence_after_sync();
-        const uint32_t acc = sm100::accumulator_row_address<kAccColumns>(tmem_base, warp_idx, int(drain.index()));
-        const int64_t row = r < tile.rows ? int64_t(tile.row0) + r : -1;
-        store_tile(p, acc, row, tile.n_block);
-        sm100::tmem_fence_before_sync();
-        accumulators.consumer_release(drain);
-        ++drain;
-      }
+      sm100::epilogue_warps<kAccColumns>(scheduler, accumulators, tmem_base, warp_idx,
+                                         [&](uint32_t acc, sched::GroupTile const& t) {
+                                           const int64_t row = r < t.rows ? int64_t(t.row0) + r : -1;
+                                           store_tile(p, acc, row, t.n_block);
+                                         });
     }
 #else
     // Built for another arch: the launcher's capability check keeps this from running.

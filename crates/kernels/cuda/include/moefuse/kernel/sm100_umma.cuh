@@ -20,6 +20,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/pipeline/pipeline.hpp"
+#include "moefuse/sched/grouped_contiguous.cuh"
 
 namespace moefuse::kernel::sm100 {
 
@@ -104,11 +105,50 @@ CUTE_DEVICE void mma_tile(TiledMma& tiled_mma, FragA const& tCrA, FragB const& t
   ++fill;
 }
 
-// The epilogue's view of accumulator `drain` for this warp: its lane base and the address of
-// column 0; after `accumulators.consumer_wait(drain)`.
-template <uint32_t kAccColumns>
-CUTE_DEVICE uint32_t accumulator_row_address(uint32_t tmem_base, int warp_idx, int stage) {
-  return tmem_base + (uint32_t((warp_idx % 4) * 32) << 16) + uint32_t(stage) * kAccColumns;
+// The tensor memory of a CTA's accumulators (`kColumns`: a power of two, 32..512): allocated
+// by the MMA warp before the block barrier that publishes its base, freed by it once every
+// accumulator has been read.
+template <uint32_t kColumns>
+struct TensorMemory {
+  cute::TMEM::Allocator1Sm alloc;
+  CUTE_DEVICE void allocate(uint32_t* base_slot) {
+    alloc.allocate(kColumns, base_slot);
+    alloc.release_allocation_lock();
+  }
+  CUTE_DEVICE void free(uint32_t base) { alloc.free(base, kColumns); }
+};
+
+// The MMA warp's whole run: every tile `scheduler` walks (mma_tile), then the wait for the
+// epilogue's last reads, then the free.
+template <class Mainloop, uint32_t kColumns, class Scheduler, class SharedStorage, class Stages>
+CUTE_DEVICE void mma_warp(Scheduler& scheduler, SharedStorage& shared, Stages& stages, AccPipeline& accumulators,
+                          TensorMemory<kColumns>& tmem, uint32_t tmem_base, int k_tiles) {
+  typename Mainloop::TiledMma tiled_mma;
+  auto [tCrA, tCrB, acc] = UmmaOperands<Mainloop>::make(shared.tensors, tmem_base);
+  auto* empty = reinterpret_cast<uint64_t*>(&shared.stages.empty_barrier_[0]);
+  typename Stages::PipelineState read;
+  auto fill = cutlass::make_producer_start_state<AccPipeline>();
+  sched::GroupTile tile;
+  while (scheduler.next(tile)) mma_tile(tiled_mma, tCrA, tCrB, acc, stages, read, empty, accumulators, fill, k_tiles);
+  accumulators.producer_tail(fill);  // every accumulator read before the memory is freed
+  tmem.free(tmem_base);
+}
+
+// The epilogue warps' run: per tile, wait for its accumulator, `store(address of this warp's
+// lanes at column 0, tile)`, release it to the MMA warp.
+template <uint32_t kAccColumns, class Scheduler, class Store>
+CUTE_DEVICE void epilogue_warps(Scheduler& scheduler, AccPipeline& accumulators, uint32_t tmem_base, int warp_idx,
+                                Store&& store) {
+  typename AccPipeline::PipelineState drain;
+  sched::GroupTile tile;
+  while (scheduler.next(tile)) {
+    accumulators.consumer_wait(drain);
+    tmem_fence_after_sync();
+    store(tmem_base + (uint32_t((warp_idx % 4) * 32) << 16) + uint32_t(drain.index()) * kAccColumns, tile);
+    tmem_fence_before_sync();
+    accumulators.consumer_release(drain);
+    ++drain;
+  }
 }
 
 // `n` values (a multiple of 8) as bf16 to dst[0, n), 16 bytes per store, the 8-column chunks
