@@ -21,3 +21,56 @@ impl ArchSpec for Sm100 {
         Some(wave_cost(p, tm, tn, units, efficiency))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heuristics::choose;
+    use moefuse_kernels::{compiled, Op};
+
+    /// The contiguous twins (`_contig`) have not run on a B200: Auto never takes them, for
+    /// any shape, while a named override still can.
+    #[test]
+    fn contiguous_twins_are_only_taken_when_named() {
+        if !moefuse_kernels::built_archs().contains(&VariantArch::Sm100a.name()) {
+            println!("SKIPPED contiguous_twins_are_only_taken_when_named: sm100a not built (MOEFUSE_CUDA_ARCHS)");
+            return;
+        }
+        let device = Device { sms: 148 };
+        for op in [Op::GroupedFwdBnk, Op::GroupedFwdBkn] {
+            for (groups, m) in [(128, 512), (8, 4096), (256, 16), (1, 1)] {
+                let p = Problem {
+                    op,
+                    groups,
+                    m,
+                    n: 4096,
+                    k: 2048,
+                };
+                let v = choose(&Sm100, &p, device, None).unwrap();
+                assert_ne!(
+                    v.spec.schedule,
+                    Schedule::Contiguous,
+                    "{op:?} {groups}x{m}: {}",
+                    v.name()
+                );
+            }
+            let twin = compiled()
+                .iter()
+                .find(|v| {
+                    v.spec.arch == VariantArch::Sm100a
+                        && v.spec.op == op
+                        && v.spec.schedule == Schedule::Contiguous
+                })
+                .expect("an sm100a contiguous twin is compiled");
+            let p = Problem {
+                op,
+                groups: 8,
+                m: 256,
+                n: 4096,
+                k: 2048,
+            };
+            let named = choose(&Sm100, &p, device, Some(&twin.name())).unwrap();
+            assert_eq!(named.name(), twin.name());
+        }
+    }
+}
