@@ -160,16 +160,6 @@ fn check_one(
     check_close(&got, &wanted, BF16_REL_ERR, &what)
 }
 
-/// Whether this GPU is one whose arch has no contiguous wgrad (sm_100a: only the M-grouped
-/// contiguous kernel has a Blackwell twin yet); says so loudly.
-fn no_contiguous_wgrad_here(ctx: &Arc<CudaContext>) -> bool {
-    let sm100 = ctx.compute_capability().is_ok_and(|(major, _)| major == 10);
-    if sm100 {
-        println!("SKIPPED gathered wgrad: no contiguous wgrad for sm_100a yet (Hopper only)");
-    }
-    sm100
-}
-
 /// Every contiguous variant whose name contains `op_name`, on every case, both walks.
 fn every_contiguous_variant(
     ctx: &Arc<CudaContext>,
@@ -184,9 +174,6 @@ fn every_contiguous_variant(
         .filter(|v| v.ends_with("_contig"))
         .collect();
     if variants.is_empty() {
-        if op_name == "grouped_wgrad" && no_contiguous_wgrad_here(ctx) {
-            return Ok(());
-        }
         return Err(format!(
             "no compiled contiguous {op_name} variant for this GPU"
         ));
@@ -281,9 +268,6 @@ fn refuses_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
         .into_iter()
         .find(|v| v.ends_with("_contig"))
     else {
-        if no_contiguous_wgrad_here(ctx) {
-            return Ok(());
-        }
         return Err("no compiled contiguous wgrad variant for this GPU".into());
     };
     let plan = gemm

@@ -218,13 +218,9 @@ mod tests {
         for v in VARIANTS {
             let ok = match v.schedule {
                 Schedule::Cooperative | Schedule::Pingpong => v.arch == VariantArch::Sm90a,
-                // moefuse's own kernels: on sm90 M-grouped (fwd/dgrad) and K-grouped
-                // (wgrad), on sm100 M-grouped only.
-                Schedule::Contiguous => {
-                    v.op.is_grouped()
-                        && (v.arch == VariantArch::Sm90a
-                            || (v.arch == VariantArch::Sm100a && v.op != Op::GroupedWgrad))
-                }
+                // moefuse's own kernels: M-grouped (fwd/dgrad) and K-grouped (wgrad) on
+                // both archs.
+                Schedule::Contiguous => v.op.is_grouped(),
                 Schedule::OneSm | Schedule::TwoSm => v.arch == VariantArch::Sm100a,
             };
             assert!(ok, "{} pairs a schedule with the wrong arch", v.name());

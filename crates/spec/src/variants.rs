@@ -33,8 +33,8 @@ pub enum Schedule {
     Pingpong,
     /// moefuse's persistent kernels over the contiguous grouped layout (tensor maps built
     /// once on the host; M-grouped: masked stores at group ends; K-grouped: a group's last
-    /// chunk loaded row by row, zero-filled past its end). sm90: cooperative consumers, both
-    /// kinds; sm100: UMMA with tensor-memory accumulators, M-grouped only.
+    /// chunk loaded row by row, zero-filled past its end). sm90: cooperative consumers; sm100:
+    /// UMMA with tensor-memory accumulators; both kinds on both.
     Contiguous,
     /// sm100: one SM per MMA tile.
     OneSm,
@@ -286,6 +286,17 @@ pub const VARIANTS: &[VariantSpec] = &[
         op: Op::GroupedWgrad,
         tile: [128, 256, 64],
         cluster: [2, 1],
+        schedule: Schedule::Contiguous,
+    },
+    // The Blackwell twin of the 1x1 wgrad (kernels/include/moefuse/kernel/
+    // sm100_contiguous_wgrad.cuh: the same producer and tile walk, UMMA into tensor memory).
+    // Built and SASS-checked; no B200 has run it yet, so the sm100 heuristic does not score
+    // it (Auto keeps the ptr-array 2-SM wgrad).
+    VariantSpec {
+        arch: Arch::Sm100a,
+        op: Op::GroupedWgrad,
+        tile: [128, 256, 64],
+        cluster: [1, 1],
         schedule: Schedule::Contiguous,
     },
 ];

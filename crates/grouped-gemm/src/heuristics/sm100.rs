@@ -37,7 +37,7 @@ mod tests {
             return;
         }
         let device = Device { sms: 148 };
-        for op in [Op::GroupedFwdBnk, Op::GroupedFwdBkn] {
+        for op in [Op::GroupedFwdBnk, Op::GroupedFwdBkn, Op::GroupedWgrad] {
             for (groups, m) in [(128, 512), (8, 4096), (256, 16), (1, 1)] {
                 let p = Problem {
                     op,

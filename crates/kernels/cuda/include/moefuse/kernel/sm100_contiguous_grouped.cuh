@@ -178,30 +178,7 @@ struct Sm100ContiguousGrouped {
   // Hopper store), for c < cols.
   CUTE_DEVICE static void store_row(Params const& p, uint32_t acc, int row, int col0, int cols) {
     cutlass::bfloat16_t* dst = row >= 0 ? p.row_at(p.d, int64_t(p.n), row) + col0 : nullptr;
-    CUTE_UNROLL
-    for (int c0 = 0; c0 < kTileN; c0 += sm100::kColsPerLoad) {
-      float v[sm100::kColsPerLoad];
-      sm100::tmem_load(acc + c0, v);
-      if (dst == nullptr || c0 >= cols) continue;
-      CUTE_UNROLL
-      for (int i = 0; i < sm100::kColsPerLoad; ++i) v[i] = p.alpha * v[i];
-      if (p.beta != 0.f) {
-        CUTE_UNROLL
-        for (int q = 0; q < sm100::kColsPerLoad / 8; ++q) {
-          if (c0 + q * 8 >= cols) break;
-          const uint4 old = *reinterpret_cast<const uint4*>(dst + c0 + q * 8);
-          const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&old);
-          CUTE_UNROLL
-          for (int j = 0; j < 4; ++j) {
-            const float2 b = __bfloat1622float2(o[j]);
-            const float2 a = __bfloat1622float2(__float22bfloat162_rn(make_float2(v[q * 8 + 2 * j], v[q * 8 + 2 * j + 1])));
-            v[q * 8 + 2 * j] = a.x + p.beta * b.x;
-            v[q * 8 + 2 * j + 1] = a.y + p.beta * b.y;
-          }
-        }
-      }
-      sm100::store_row(dst + c0, v, cols - c0);
-    }
+    sm100::store_acc_row<kTileN>(acc, dst, cols, p.alpha, p.beta);
   }
 
   // ---- the kernel --------------------------------------------------------------------------

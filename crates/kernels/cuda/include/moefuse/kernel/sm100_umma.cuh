@@ -1,6 +1,7 @@
 // The UMMA side shared by moefuse's Blackwell (sm_100a) kernels (kernel/sm100_gate_up_fused.cuh,
-// kernel/sm100_contiguous_grouped.cuh): the MMA warp's loop over one tile's k-blocks, the two
-// tensor-memory accumulators, and the epilogue warps' row loads.
+// kernel/sm100_contiguous_grouped.cuh, kernel/sm100_contiguous_wgrad.cuh): the MMA warp's loop
+// over one tile's k-blocks, the two tensor-memory accumulators, and the epilogue warps' row
+// loads and stores.
 //
 //   - Stages: CUTLASS's Hopper TMA pipeline (`PipelineTmaAsync`), whose full barrier counts
 //     whatever the producers arrive with (one TMA leader, or 129 with a cp.async gather) and
@@ -118,29 +119,40 @@ struct TensorMemory {
   CUTE_DEVICE void free(uint32_t base) { alloc.free(base, kColumns); }
 };
 
-// The MMA warp's whole run: every tile `scheduler` walks (mma_tile), then the wait for the
-// epilogue's last reads, then the free.
-template <class Mainloop, uint32_t kColumns, class Scheduler, class SharedStorage, class Stages>
-CUTE_DEVICE void mma_warp(Scheduler& scheduler, SharedStorage& shared, Stages& stages, AccPipeline& accumulators,
-                          TensorMemory<kColumns>& tmem, uint32_t tmem_base, int k_tiles) {
+// The MMA warp's whole run: every tile `scheduler` walks (`Tile`s, mma_tile over
+// `k_tiles_of(tile)` k-blocks), then the wait for the epilogue's last reads, then the free.
+template <class Mainloop, uint32_t kColumns, class Tile, class Scheduler, class SharedStorage, class Stages,
+          class KTiles>
+CUTE_DEVICE void mma_warp_tiles(Scheduler& scheduler, SharedStorage& shared, Stages& stages, AccPipeline& accumulators,
+                                TensorMemory<kColumns>& tmem, uint32_t tmem_base, KTiles&& k_tiles_of) {
   typename Mainloop::TiledMma tiled_mma;
   auto [tCrA, tCrB, acc] = UmmaOperands<Mainloop>::make(shared.tensors, tmem_base);
   auto* empty = reinterpret_cast<uint64_t*>(&shared.stages.empty_barrier_[0]);
   typename Stages::PipelineState read;
   auto fill = cutlass::make_producer_start_state<AccPipeline>();
-  sched::GroupTile tile;
-  while (scheduler.next(tile)) mma_tile(tiled_mma, tCrA, tCrB, acc, stages, read, empty, accumulators, fill, k_tiles);
+  Tile tile;
+  while (scheduler.next(tile)) {
+    mma_tile(tiled_mma, tCrA, tCrB, acc, stages, read, empty, accumulators, fill, k_tiles_of(tile));
+  }
   accumulators.producer_tail(fill);  // every accumulator read before the memory is freed
   tmem.free(tmem_base);
 }
 
+// mma_warp_tiles over the M-grouped scheduler's tiles, `k_tiles` k-blocks each.
+template <class Mainloop, uint32_t kColumns, class Scheduler, class SharedStorage, class Stages>
+CUTE_DEVICE void mma_warp(Scheduler& scheduler, SharedStorage& shared, Stages& stages, AccPipeline& accumulators,
+                          TensorMemory<kColumns>& tmem, uint32_t tmem_base, int k_tiles) {
+  mma_warp_tiles<Mainloop, kColumns, sched::GroupTile>(scheduler, shared, stages, accumulators, tmem, tmem_base,
+                                                       [k_tiles](sched::GroupTile const&) { return k_tiles; });
+}
+
 // The epilogue warps' run: per tile, wait for its accumulator, `store(address of this warp's
 // lanes at column 0, tile)`, release it to the MMA warp.
-template <uint32_t kAccColumns, class Scheduler, class Store>
+template <uint32_t kAccColumns, class Tile = sched::GroupTile, class Scheduler, class Store>
 CUTE_DEVICE void epilogue_warps(Scheduler& scheduler, AccPipeline& accumulators, uint32_t tmem_base, int warp_idx,
                                 Store&& store) {
   typename AccPipeline::PipelineState drain;
-  sched::GroupTile tile;
+  Tile tile;
   while (scheduler.next(tile)) {
     accumulators.consumer_wait(drain);
     tmem_fence_after_sync();
@@ -167,6 +179,39 @@ CUTE_DEVICE void store_row(cutlass::bfloat16_t* dst, const float (&v)[N], int li
       w[i] = *reinterpret_cast<const uint32_t*>(&pair);
     }
     *reinterpret_cast<uint4*>(dst + q * 8) = chunk;
+  }
+}
+
+// This thread's accumulator row (kN fp32 columns from `acc`) to dst[0, cols):
+// alpha * acc + beta * dst, rounded twice as the Hopper stores do (bf16(alpha * acc), then
+// bf16(that + beta * dst)); beta == 0 never reads dst. Warp-collective (the tensor-memory
+// loads): every lane calls it, a lane with no row passes dst == nullptr.
+template <int kN>
+CUTE_DEVICE void store_acc_row(uint32_t acc, cutlass::bfloat16_t* dst, int cols, float alpha, float beta) {
+  static_assert(kN % kColsPerLoad == 0, "whole tensor-memory loads");
+  CUTE_UNROLL
+  for (int c0 = 0; c0 < kN; c0 += kColsPerLoad) {
+    float v[kColsPerLoad];
+    tmem_load(acc + c0, v);
+    if (dst == nullptr || c0 >= cols) continue;
+    CUTE_UNROLL
+    for (int i = 0; i < kColsPerLoad; ++i) v[i] = alpha * v[i];
+    if (beta != 0.f) {
+      CUTE_UNROLL
+      for (int q = 0; q < kColsPerLoad / 8; ++q) {
+        if (c0 + q * 8 >= cols) break;
+        const uint4 old = *reinterpret_cast<const uint4*>(dst + c0 + q * 8);
+        const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&old);
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          const float2 b = __bfloat1622float2(o[j]);
+          const float2 a = __bfloat1622float2(__float22bfloat162_rn(make_float2(v[q * 8 + 2 * j], v[q * 8 + 2 * j + 1])));
+          v[q * 8 + 2 * j] = a.x + beta * b.x;
+          v[q * 8 + 2 * j + 1] = a.y + beta * b.y;
+        }
+      }
+    }
+    store_row(dst + c0, v, cols - c0);
   }
 }
 
