@@ -5,7 +5,8 @@
 //! slots than one pass holds (several passes), few touched experts (the down kernel's K
 //! splits); the Training layer's backward on the rows the decode kernels saved; a graph
 //! replay with new routing equal to eager; ids outside `0..E` dropped and flagged; bad
-//! input refused before any launch. Outputs are poisoned before each run; relative error
+//! input refused before any launch; the one-kernel path (grid barrier, staged down weights)
+//! equal bit for bit to the two kernels, the barrier's words left ready. Outputs are poisoned before each run; relative error
 //! < 2e-2 (bf16 storage).
 
 #![forbid(unsafe_code)]
@@ -127,8 +128,10 @@ fn decode_layer_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> 
 }
 
 /// Forward + backward captured on the decode path, replayed with new inputs, routing and
-/// weights: equal to eager bit for bit.
+/// weights: equal to eager bit for bit; on the one-kernel path (one token) and on two
+/// kernels (seven tokens: 16 tiles of `D_e` do not fit a block's shared memory).
 fn decode_graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    graph_replay_case(ctx, &decode_cases()[0], true)?;
     graph_replay_case(ctx, &decode_cases()[1], true)
 }
 
@@ -240,6 +243,142 @@ fn decode_rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
     Ok(())
 }
 
+/// One kernel against two: the same `DecodeForward` launched with the grid barrier's words
+/// (one kernel where it applies) and without (two kernels always) writes the same bits of
+/// `y`, `h` and the expert-major copies, at a Qwen3-30B-A3B layer's sizes for one token
+/// (16 of its 128 experts kept: the kernels read only the touched ones) and at odd ones,
+/// top-1 to top-16, with an id outside `0..E`; every case small enough for the one-kernel
+/// path (`min(E, T·k)` tiles of 16 rows of `D_e` in a block's shared memory, `T·k ≤ 64`). That the one-kernel path ran is read from the barrier's words:
+/// the count back at 0, the generation one higher per launch.
+fn decode_one_kernel_equals_two(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    use moefuse_kernels::{ActivationKind as K, DecodeForward, GateUpLayout as L, Kernels};
+    let stream = ctx.new_stream().map_err(e)?;
+    let kernels = Kernels::new(ctx).map_err(e)?;
+    let seed = Rng::fresh_seed();
+    let mut rng = Rng::new(seed);
+    // (name, tokens, top_k, hidden, intermediate, experts, activation, layout, a bad id)
+    let swiglu_oai = K::SwiGluOai {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    let cases = [
+        ("qwen3_t1", 1, 8, 2048, 768, 16, K::SwiGlu, L::Split, false),
+        ("t2_top8", 2, 8, 1024, 256, 16, K::SwiGlu, L::Split, false),
+        (
+            "odd_t7_top4",
+            7,
+            4,
+            320,
+            224,
+            16,
+            K::GeGlu,
+            L::Interleaved,
+            true,
+        ),
+        (
+            "oai_t4_top16",
+            4,
+            16,
+            192,
+            96,
+            64,
+            swiglu_oai,
+            L::Interleaved,
+            false,
+        ),
+        ("relu2_t3_top1", 3, 1, 96, 160, 4, K::Relu2, L::Split, true),
+    ];
+    let mut launches = 0u32;
+    let mut sync = stream.alloc_zeros::<u32>(2).map_err(e)?;
+    for (name, t, k, d, i, ex, kind, layout, bad_id) in cases {
+        let w = if kind.is_gated() { 2 * i } else { i };
+        let x = stream.clone_htod(&rng.bf16_vec(t * d)).map_err(e)?;
+        let gate_up = stream.clone_htod(&rng.bf16_vec(ex * w * d)).map_err(e)?;
+        let down = stream.clone_htod(&rng.bf16_vec(ex * d * i)).map_err(e)?;
+        let mut ids: Vec<i32> = (0..t).flat_map(|_| rng.distinct(ex, k)).collect();
+        if bad_id {
+            ids[1 % (t * k)] = ex as i32 + 3;
+        }
+        let weights: Vec<f32> = (0..t * k).map(|_| rng.uniform() + 0.05).collect();
+        let row_of: Vec<i32> = (0..(t * k) as i32).rev().collect();
+        let (ids, weights, row_of) = (
+            stream.clone_htod(&ids).map_err(e)?,
+            stream.clone_htod(&weights).map_err(e)?,
+            stream.clone_htod(&row_of).map_err(e)?,
+        );
+        let mut outs = Vec::new();
+        for one_kernel in [true, false] {
+            let poisoned = |n: usize| stream.clone_htod(&vec![POISON_BF16; n]);
+            let (mut h, mut y) = (poisoned(t * k * i).map_err(e)?, poisoned(t * d).map_err(e)?);
+            let (mut h_pre_rows, mut h_rows, mut y_e_rows) = (
+                poisoned(t * k * w).map_err(e)?,
+                poisoned(t * k * i).map_err(e)?,
+                poisoned(t * k * d).map_err(e)?,
+            );
+            let mut errors = stream.alloc_zeros::<u32>(1).map_err(e)?;
+            kernels
+                .launch(
+                    &stream,
+                    DecodeForward {
+                        tokens: t,
+                        top_k: k,
+                        hidden: d,
+                        intermediate: i,
+                        experts: ex,
+                        kind,
+                        layout,
+                        topk_ids: &ids,
+                        topk_weights: &weights,
+                        x: &x,
+                        w_gate_up: &gate_up,
+                        w_down: &down,
+                        h: &mut h,
+                        y: &mut y,
+                        row_of: Some(&row_of),
+                        h_pre_rows: Some(&mut h_pre_rows),
+                        h_rows: Some(&mut h_rows),
+                        y_e_rows: Some(&mut y_e_rows),
+                        errors: Some(&mut errors),
+                        grid_sync: if one_kernel { Some(&mut sync) } else { None },
+                    },
+                )
+                .map_err(e)?;
+            let got = |b: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(b).map(|v| bits(&v));
+            let error_bits = stream.clone_dtoh(&errors).map_err(e)?[0];
+            let want_bits = if bad_id { 1 } else { 0 }; // MOEFUSE_MOE_ERROR_EXPERT_ID
+            if error_bits != want_bits {
+                return Err(format!("{name}: error bits {error_bits}, want {want_bits}"));
+            }
+            outs.push([
+                got(&y).map_err(e)?,
+                got(&h).map_err(e)?,
+                got(&h_pre_rows).map_err(e)?,
+                got(&h_rows).map_err(e)?,
+                got(&y_e_rows).map_err(e)?,
+            ]);
+        }
+        launches += 1;
+        let words = stream.clone_dtoh(&sync).map_err(e)?;
+        if words != [0, launches] {
+            return Err(format!(
+                "{name}: barrier words {words:?} after {launches} one-kernel launches: \
+                 the one-kernel path did not run (or left its count set)"
+            ));
+        }
+        if outs[0][0].iter().any(|&b| b == POISON_BF16.to_bits()) {
+            return Err(format!("{name}: y left poisoned"));
+        }
+        for (what, (one, two)) in ["y", "h", "h_pre_rows", "h_rows", "y_e_rows"]
+            .iter()
+            .zip(outs[0].iter().zip(outs[1].iter()))
+        {
+            same_bits(&format!("{name}: {what} (seed {seed})"), one, two)?;
+        }
+        println!("{name} ok");
+    }
+    Ok(())
+}
+
 fn main() {
     GpuSuite::new()
         .test(
@@ -252,5 +391,6 @@ fn main() {
             decode_drops_and_flags_bad_ids,
         )
         .test("decode_rejects_bad_input", decode_rejects_bad_input)
+        .test("decode_one_kernel_equals_two", decode_one_kernel_equals_two)
         .run();
 }

@@ -30,6 +30,7 @@ extern "C" {
 #define MOEFUSE_MOE_ERROR_ROW 4u       /* combine, combine_bwd: a row_of entry outside -1..rows-1 (slot skipped) */
 #define MOEFUSE_MOE_ERROR_STALE 8u     /* combine, combine_bwd: *expect_tokens != tokens (nothing read through row_of) */
 #define MOEFUSE_MOE_ERROR_SOURCE 16u   /* gate_up fused: a source_of entry outside 0..tokens*top_k-1 (token 0 read instead); activation_bwd_routed: (row skipped) */
+#define MOEFUSE_MOE_ERROR_GRID_SYNC 32u /* decode forward, one kernel: a block gave up at the grid barrier (y partly unwritten) */
 
 /* Tokens per block of the permutation's count pass; the workspace holds one int32 count
  * per (chunk, expert): moefuse_moe_permute_workspace(tokens, experts) bytes. */
@@ -293,6 +294,13 @@ moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* arg
  * Limits: 1 <= tokens <= MOEFUSE_DECODE_MAX_TOKENS, tokens*top_k <= MOEFUSE_DECODE_MAX_SLOTS,
  * hidden and intermediate multiples of 32, 16-byte aligned x, weights, h, y and the
  * expert-major outputs. Deterministic: no atomics on data, fixed summation orders.
+ * One kernel instead of two where it applies (sm_90+, tokens*top_k <= 64, grid_sync not
+ * NULL, a 16-row tile of every touched D_e fits in one block's shared memory, hidden/16 <=
+ * resident blocks; MOEFUSE_DECODE_KERNELS=2 in the environment keeps two): the same sums in
+ * the same order (equal bits), the down weights staged in shared memory during the gate_up,
+ * a grid barrier between the two. grid_sync: two words, zero before their first use, then
+ * owned by the kernel (one caller stream at a time). A block that waits at the barrier past its deadline (4 s:
+ * an SM held by other work) raises MOEFUSE_MOE_ERROR_GRID_SYNC and skips its y tile.
  */
 #define MOEFUSE_DECODE_MAX_TOKENS 64
 #define MOEFUSE_DECODE_MAX_SLOTS 1024
@@ -319,6 +327,7 @@ typedef struct moefuse_decode_args {
   uint16_t* h_rows;             /* [tokens*top_k, intermediate], or NULL */
   uint16_t* y_e_rows;           /* [tokens*top_k, hidden], or NULL */
   uint32_t* errors;             /* [1] error bits, or NULL */
+  uint32_t* grid_sync;          /* [2] zeroed words the one-kernel path keeps, or NULL */
 } moefuse_decode_args;
 
 moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* args, void* stream);
