@@ -386,15 +386,25 @@ struct FusedShared {
 };
 constexpr int kFusedPartFloats = int(sizeof(GateUpPartials) * 2 / sizeof(float));
 
-// Elements from one staged row of D_e to the next: 64 bytes more than a multiple of 128, so
-// the two adjacent rows a quarter-warp's 16-byte loads read fall into different bank halves.
-__host__ __device__ constexpr int staged_stride(int intermediate) {
+// How a block's tile of D_e is staged: `packed`, one bulk copy per touched expert (its 16
+// rows are contiguous in D_e: 24 KB at Qwen3-30B-A3B), rows I elements apart (two rows a
+// quarter-warp's 16-byte loads read share banks when 2I is a multiple of 128: a two-way
+// conflict); else one copy per row into rows padded to 64 bytes more than a multiple of
+// 128 (no conflict, 16x the copies). MOEFUSE_DECODE_STAGE=rows picks the second (an A/B
+// knob); packed is the default.
+struct Staging {
+  int stride;  // elements from one staged row to the next
+  bool packed;
+};
+
+__host__ __device__ constexpr int padded_stride(int intermediate) {
   return (2 * intermediate) % 128 == 0 ? intermediate + 32 : intermediate;
 }
 
-__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_fused_kernel(moefuse_decode_args a, int split_cap) {
+__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_fused_kernel(moefuse_decode_args a, int split_cap,
+                                                                          Staging staging) {
   __shared__ FusedShared sm;
-  extern __shared__ __align__(128) uint16_t staged[];  // [touched * 16][staged_stride]
+  extern __shared__ __align__(128) uint16_t staged[];  // [touched * 16][staging.stride]
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
   decode::wait_for_prerequisite();
@@ -402,26 +412,31 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_fused_kernel(moefus
   rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   sm.groups.build(rt, 8 * kMaxGroupBlocks);
   const decode::BulkTile tile{&sm.tile_full};
-  if (blockIdx.x < a.hidden / 16 && threadIdx.x < 32) {
-    const int rows = rt.touched * 16, stride = staged_stride(a.intermediate);
+  // One thread issues every copy: the mbarrier's operations stay in one thread's program
+  // order.
+  if (blockIdx.x < a.hidden / 16 && threadIdx.x == 0) {
     const uint32_t row_bytes = uint32_t(a.intermediate) * 2u;
-    if (threadIdx.x == 0) tile.expect(uint32_t(rows) * row_bytes);
-    __syncwarp();
-    for (int i = threadIdx.x; i < rows; i += 32) {
-      const size_t row = size_t(rt.expert[i >> 4]) * a.hidden + blockIdx.x * 16 + (i & 15);
-      tile.copy(staged + size_t(i) * stride, a.w_down + row * a.intermediate, row_bytes);
+    tile.expect(uint32_t(rt.touched) * 16u * row_bytes);
+    for (int ti = 0; ti < rt.touched; ++ti) {
+      const uint16_t* src = a.w_down + (size_t(rt.expert[ti]) * a.hidden + blockIdx.x * 16) * a.intermediate;
+      if (staging.packed) {
+        tile.copy(staged + size_t(ti) * 16 * staging.stride, src, 16u * row_bytes);
+      } else {
+        for (int r = 0; r < 16; ++r) {
+          tile.copy(staged + size_t(ti * 16 + r) * staging.stride, src + size_t(r) * a.intermediate, row_bytes);
+        }
+      }
     }
   }
   const int team = threadIdx.x / (kGateUpWarps * 32);
-  gate_up_units(a, rt, sm.partial[team], Team<false>{1 + team},
-                2 * blockIdx.x + team, 2 * gridDim.x);
+  gate_up_units(a, rt, sm.partial[team], Team<false>{1 + team}, 2 * blockIdx.x + team, 2 * gridDim.x);
   const bool synced = decode::grid_barrier(a.grid_sync);
   if (!synced && threadIdx.x == 0 && a.errors != nullptr) atomicOr(a.errors, MOEFUSE_MOE_ERROR_GRID_SYNC);
   if (blockIdx.x >= a.hidden / 16) return;
   tile.wait();  // also when not synced: no copy may land after the block has left
   if (!synced) return;
   const int splits = down_splits(sm.groups.count, split_cap, a.intermediate / kChunk);
-  const DownRows<true> rows{staged, staged_stride(a.intermediate)};
+  const DownRows<true> rows{staged, staging.stride};
   down_tile(a, rt, sm.groups, rows, &sm.partial[0][0][0][0][0], blockIdx.x * 16, splits);
 }
 
@@ -478,6 +493,15 @@ Grids resident_grids() {
   cache[dev][0].store(up, std::memory_order_release);
   cache[dev][1].store(down, std::memory_order_release);
   return {up, down, fused, major, tile_room};
+}
+
+// MOEFUSE_DECODE_STAGE=rows stages the one-kernel path's tile row by row (Staging).
+bool stage_rows() {
+  static const bool rows = [] {
+    const char* v = std::getenv("MOEFUSE_DECODE_STAGE");
+    return v != nullptr && std::strcmp(v, "rows") == 0;
+  }();
+  return rows;
 }
 
 // MOEFUSE_DECODE_KERNELS=2 keeps the two-kernel path where the one-kernel path applies (an
@@ -543,7 +567,9 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  const size_t staged_bytes = size_t(max_touched) * 16 * staged_stride(a->intermediate) * sizeof(uint16_t);
+  const Staging staging = stage_rows() ? Staging{padded_stride(a->intermediate), false}
+                                       : Staging{a->intermediate, true};
+  const size_t staged_bytes = size_t(max_touched) * 16 * staging.stride * sizeof(uint16_t);
   if (a->grid_sync != nullptr && grids.sm_major >= 9 && slots <= kFusedSlots && one_kernel_allowed() &&
       a->hidden / 16 <= grids.fused && staged_bytes <= grids.fused_tile_bytes) {
     const int split_cap = max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kFusedPartFloats / (16 * slots)));
@@ -554,7 +580,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
     one.stream = s;
     one.attrs = attr;
     one.numAttrs = 1;
-    if (cudaLaunchKernelEx(&one, decode_fused_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
+    if (cudaLaunchKernelEx(&one, decode_fused_kernel, *a, split_cap, staging) != cudaSuccess) return after_launch(name);
     return after_launch(name);
   }
   cudaLaunchConfig_t up = {};
