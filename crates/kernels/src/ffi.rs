@@ -541,8 +541,8 @@ pub struct MoefuseDecodeArgs {
     pub y_e_rows: *mut c_void,
     /// `[1]` error bits, or null.
     pub errors: *mut u32,
-    /// `[2]` words the one-kernel path's grid barrier keeps (zero before their first use),
-    /// or null (always two kernels).
+    /// `[4]` words the kernels keep (zero before their first use): the one-kernel path's
+    /// grid barrier, the gate_up's unit counter; or null (two kernels, fixed shares).
     pub grid_sync: *mut u32,
 }
 

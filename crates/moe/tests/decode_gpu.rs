@@ -249,7 +249,8 @@ fn decode_rejects_bad_input(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// (16 of its 128 experts kept: the kernels read only the touched ones) and at odd ones,
 /// top-1 to top-16, with an id outside `0..E`; every case small enough for the one-kernel
 /// path (`min(E, T·k)` tiles of 16 rows of `D_e` in a block's shared memory, `T·k ≤ 64`). That the one-kernel path ran is read from the barrier's words:
-/// the count back at 0, the generation one higher per launch.
+/// the count back at 0, the generation one higher per launch (and the gate_up's unit
+/// counter back at 0).
 fn decode_one_kernel_equals_two(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use moefuse_kernels::{ActivationKind as K, DecodeForward, GateUpLayout as L, Kernels};
     let stream = ctx.new_stream().map_err(e)?;
@@ -289,7 +290,7 @@ fn decode_one_kernel_equals_two(ctx: &Arc<CudaContext>) -> Result<(), String> {
         ("relu2_t3_top1", 3, 1, 96, 160, 4, K::Relu2, L::Split, true),
     ];
     let mut launches = 0u32;
-    let mut sync = stream.alloc_zeros::<u32>(2).map_err(e)?;
+    let mut sync = stream.alloc_zeros::<u32>(4).map_err(e)?;
     for (name, t, k, d, i, ex, kind, layout, bad_id) in cases {
         let w = if kind.is_gated() { 2 * i } else { i };
         let x = stream.clone_htod(&rng.bf16_vec(t * d)).map_err(e)?;
@@ -359,7 +360,7 @@ fn decode_one_kernel_equals_two(ctx: &Arc<CudaContext>) -> Result<(), String> {
         }
         launches += 1;
         let words = stream.clone_dtoh(&sync).map_err(e)?;
-        if words != [0, launches] {
+        if words != [0, launches, 0, 0] {
             return Err(format!(
                 "{name}: barrier words {words:?} after {launches} one-kernel launches: \
                  the one-kernel path did not run (or left its count set)"

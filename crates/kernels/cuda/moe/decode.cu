@@ -182,18 +182,39 @@ __device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials
   }
 }
 
-// A team's gate_up units of the routing `rt`: units unit0, unit0 + stride, ... of
-// (touched expert, 16 rows of W_e).
+// Where a team takes its gate_up units: statically (unit0, unit0 + stride, ...), or with
+// `counter` (a word of grid_sync, zero at the launch) from a counter the whole grid shares,
+// one unit ahead (`next`: two ints of shared memory per team), so that the teams that
+// stream faster take more units and the grid's gate_up ends together. The kernel after the
+// gate_up (the down kernel, or the one kernel past its grid barrier) zeroes the counter.
+struct UnitQueue {
+  uint32_t* counter;  // nullptr: static
+  int* next;          // [2], this team's
+  int unit0, stride;
+};
+
+// A team's gate_up units of the routing `rt`, (touched expert, 16 rows of W_e) each.
 template <class Table, class Team>
 __device__ void gate_up_units(const moefuse_decode_args& a, const Table& rt, GateUpPartials& partial, Team team,
-                              int unit0, int stride) {
+                              UnitQueue q) {
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
   const int tiles = width / 16;
   const int units = rt.touched * tiles;
   const int chunks = a.hidden / kChunk, warp = team.warp(), g = (threadIdx.x & 31) >> 2;
   const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-  for (int u = unit0; u < units; u += stride) {
+  const bool leader = team.thread() == 0;
+  int u = q.unit0;
+  if (q.counter != nullptr) {
+    if (leader) q.next[0] = int(atomicAdd(q.counter, 1u));
+    team.sync();
+    u = q.next[0];
+  }
+  for (int i = 0; u < units; ++i) {
+    // The next unit, read after this one's team barriers (every touched expert has a slot,
+    // so there is at least one group below); the other half of `next` was last read
+    // before them.
+    if (q.counter != nullptr && leader) q.next[(i + 1) & 1] = int(atomicAdd(q.counter, 1u));
     const int ti = u / tiles, tile = u - ti * tiles, e = rt.expert[ti];
     int lo, hi;
     tile_rows(a, tile, g, lo, hi);
@@ -209,17 +230,21 @@ __device__ void gate_up_units(const moefuse_decode_args& a, const Table& rt, Gat
       team.sync();
       gate_up_store(a, partial, team.thread(), slots, n, tile, blocks);
     }
+    u = q.counter != nullptr ? q.next[(i + 1) & 1] : u + q.stride;
   }
 }
 
-__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2)
+    decode_gate_up_kernel(moefuse_decode_args a, uint32_t* unit_counter) {
   __shared__ GateUpShared sm;
+  __shared__ int next[2];
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
   decode::wait_for_prerequisite();
   decode::allow_dependent_launch();
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  gate_up_units(a, sm.routing, sm.partial, Team<true>{0}, blockIdx.x, gridDim.x);
+  gate_up_units(a, sm.routing, sm.partial, Team<true>{0},
+                UnitQueue{unit_counter, next, int(blockIdx.x), int(gridDim.x)});
 }
 
 // ---- down + combine ---------------------------------------------------------------------
@@ -346,7 +371,8 @@ __device__ __forceinline__ int down_splits(int groups, int split_cap, int chunks
   return max(1, min(splits, min(split_cap, chunks)));
 }
 
-__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
+__global__ void __launch_bounds__(kDownWarps * 32, 1)
+    decode_down_kernel(moefuse_decode_args a, int split_cap, uint32_t* unit_counter) {
   __shared__ DownShared sm;
   extern __shared__ float part[];  // [splits][valid slots][16]
   Routing& rt = sm.routing;
@@ -360,6 +386,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   // it warms L2 with its first tile's weights, then waits for h.
   if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
   decode::wait_for_prerequisite();
+  if (unit_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *unit_counter = 0u;  // the gate_up is done
   const int splits = down_splits(gr.count, split_cap, a.intermediate / kChunk);
   const int tiles = a.hidden / 16;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -383,6 +410,7 @@ struct FusedShared {
   decode::GroupsTable<kFusedSlots> groups;
   GateUpPartials partial[2];  // the two teams' partials, then the down tile's y_e partials
   uint64_t tile_full;         // the staged tile's mbarrier
+  int next[2][2];             // the teams' next units (UnitQueue)
 };
 constexpr int kFusedPartFloats = int(sizeof(GateUpPartials) * 2 / sizeof(float));
 
@@ -401,8 +429,8 @@ __host__ __device__ constexpr int padded_stride(int intermediate) {
   return (2 * intermediate) % 128 == 0 ? intermediate + 32 : intermediate;
 }
 
-__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_fused_kernel(moefuse_decode_args a, int split_cap,
-                                                                          Staging staging) {
+__global__ void __launch_bounds__(kDownWarps * 32, 1)
+    decode_fused_kernel(moefuse_decode_args a, int split_cap, Staging staging, uint32_t* unit_counter) {
   __shared__ FusedShared sm;
   extern __shared__ __align__(128) uint16_t staged[];  // [touched * 16][staging.stride]
   // Launched programmatically behind the router: resident before it ends, reading its
@@ -429,8 +457,11 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_fused_kernel(moefus
     }
   }
   const int team = threadIdx.x / (kGateUpWarps * 32);
-  gate_up_units(a, rt, sm.partial[team], Team<false>{1 + team}, 2 * blockIdx.x + team, 2 * gridDim.x);
+  gate_up_units(a, rt, sm.partial[team], Team<false>{1 + team},
+                UnitQueue{unit_counter, sm.next[team], int(2 * blockIdx.x + team), int(2 * gridDim.x)});
   const bool synced = decode::grid_barrier(a.grid_sync);
+  // Past the barrier every block's gate_up is done: no unit is taken any more.
+  if (synced && unit_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *unit_counter = 0u;
   if (!synced && threadIdx.x == 0 && a.errors != nullptr) atomicOr(a.errors, MOEFUSE_MOE_ERROR_GRID_SYNC);
   if (blockIdx.x >= a.hidden / 16) return;
   tile.wait();  // also when not synced: no copy may land after the block has left
@@ -496,6 +527,15 @@ Grids resident_grids() {
 }
 
 // MOEFUSE_DECODE_STAGE=rows stages the one-kernel path's tile row by row (Staging).
+// MOEFUSE_DECODE_SCHEDULE=static hands the gate_up units out statically (UnitQueue).
+bool static_units() {
+  static const bool fixed = [] {
+    const char* v = std::getenv("MOEFUSE_DECODE_SCHEDULE");
+    return v != nullptr && std::strcmp(v, "static") == 0;
+  }();
+  return fixed;
+}
+
 bool stage_rows() {
   static const bool rows = [] {
     const char* v = std::getenv("MOEFUSE_DECODE_STAGE");
@@ -567,6 +607,8 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  // grid_sync[2]: the gate_up's unit counter (UnitQueue), unless static.
+  uint32_t* unit_counter = a->grid_sync != nullptr && !static_units() ? a->grid_sync + 2 : nullptr;
   const Staging staging = stage_rows() ? Staging{padded_stride(a->intermediate), false}
                                        : Staging{a->intermediate, true};
   const size_t staged_bytes = size_t(max_touched) * 16 * staging.stride * sizeof(uint16_t);
@@ -580,7 +622,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
     one.stream = s;
     one.attrs = attr;
     one.numAttrs = 1;
-    if (cudaLaunchKernelEx(&one, decode_fused_kernel, *a, split_cap, staging) != cudaSuccess) return after_launch(name);
+    if (cudaLaunchKernelEx(&one, decode_fused_kernel, *a, split_cap, staging, unit_counter) != cudaSuccess) return after_launch(name);
     return after_launch(name);
   }
   cudaLaunchConfig_t up = {};
@@ -589,7 +631,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a, unit_counter) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
@@ -604,6 +646,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   launch.stream = s;
   launch.attrs = attr;
   launch.numAttrs = 1;
-  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap, unit_counter) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }

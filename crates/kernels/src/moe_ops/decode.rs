@@ -79,9 +79,10 @@ pub struct DecodeForward<'a> {
     pub y_e_rows: Option<&'a mut dyn DevicePtrMut<bf16>>,
     /// `[1]` error bits, or `None`.
     pub errors: Option<&'a mut dyn DevicePtrMut<u32>>,
-    /// `[2]` words, zero before their first use, that the one-kernel path's grid barrier
-    /// keeps (one stream at a time), or `None`: two kernels always. With them the forward
-    /// runs as one kernel where it applies (sm_90+, `tokens · top_k ≤ 64`, a 16-row tile of
+    /// `[4]` words, zero before their first use, that the kernels keep (one stream at a
+    /// time): the one-kernel path's grid barrier and the counter the gate_up takes its units
+    /// from; or `None`: two kernels and fixed shares always. With them the forward runs as
+    /// one kernel where it applies (sm_90+, `tokens · top_k ≤ 64`, a 16-row tile of
     /// every touched `D_e` fits in a block's shared memory; `MOEFUSE_DECODE_KERNELS=2`
     /// keeps two): the same sums in the same order, so the same bits.
     pub grid_sync: Option<&'a mut dyn DevicePtrMut<u32>>,
@@ -166,7 +167,7 @@ impl<'a> DecodeForward<'a> {
             ROW_ALIGN,
         )?;
         let errors = b.write_opt("errors", self.errors, 1, 4)?;
-        let grid_sync = b.write_opt("grid_sync", self.grid_sync, 2, 4)?;
+        let grid_sync = b.write_opt("grid_sync", self.grid_sync, 4, 4)?;
         Ok(Some(Call::DecodeForward(ffi::MoefuseDecodeArgs {
             tokens: to_i32(kernel, "tokens", t)?,
             top_k: to_i32(kernel, "top_k", k)?,

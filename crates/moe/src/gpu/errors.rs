@@ -6,11 +6,11 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use moefuse_kernels::ffi;
 use std::sync::Arc;
 
-/// Four `u32` words in device memory: `[0]` the error bits the permutation and combine
+/// Six `u32` words in device memory: `[0]` the error bits the permutation and combine
 /// kernels raise (`MOEFUSE_MOE_ERROR_*` in `moe_abi.h`), `[1]` the token count of the last
-/// permutation (the stamp the layer's backward compares with its own), `[2..4]` the grid
-/// barrier of the one-kernel decode forward (a count back at zero after every launch and a
-/// generation).
+/// permutation (the stamp the layer's backward compares with its own), `[2..6]` the decode
+/// forward's (the one-kernel path's grid barrier: a count back at zero after every launch
+/// and a generation; the gate_up's unit counter, zero after every launch; a spare).
 ///
 /// Kernels only ever set bits (never clear them) and skip the offending slot, so a bad
 /// device value never leads to an access outside a buffer. Reading the word needs a host
@@ -44,7 +44,7 @@ impl DeviceErrors {
     /// ```
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self, MoeError> {
         Ok(DeviceErrors {
-            words: stream.alloc_zeros(4)?,
+            words: stream.alloc_zeros(6)?,
         })
     }
 

@@ -298,8 +298,10 @@ moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* arg
  * NULL, a 16-row tile of every touched D_e fits in one block's shared memory, hidden/16 <=
  * resident blocks; MOEFUSE_DECODE_KERNELS=2 in the environment keeps two): the same sums in
  * the same order (equal bits), the down weights staged in shared memory during the gate_up,
- * a grid barrier between the two. grid_sync: two words, zero before their first use, then
- * owned by the kernel (one caller stream at a time). A block that waits at the barrier past its deadline (4 s:
+ * a grid barrier between the two. grid_sync: four words, zero before their first use, then
+ * owned by the kernels (one caller stream at a time): the grid barrier's two, and the
+ * counter from which the gate_up's units are taken (without grid_sync, or with
+ * MOEFUSE_DECODE_SCHEDULE=static, each block takes a fixed share). A block that waits at the barrier past its deadline (4 s:
  * an SM held by other work) raises MOEFUSE_MOE_ERROR_GRID_SYNC and skips its y tile.
  */
 #define MOEFUSE_DECODE_MAX_TOKENS 64
@@ -327,7 +329,7 @@ typedef struct moefuse_decode_args {
   uint16_t* h_rows;             /* [tokens*top_k, intermediate], or NULL */
   uint16_t* y_e_rows;           /* [tokens*top_k, hidden], or NULL */
   uint32_t* errors;             /* [1] error bits, or NULL */
-  uint32_t* grid_sync;          /* [2] zeroed words the one-kernel path keeps, or NULL */
+  uint32_t* grid_sync;          /* [4] zeroed words the kernels keep, or NULL */
 } moefuse_decode_args;
 
 moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* args, void* stream);
