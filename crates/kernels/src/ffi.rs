@@ -359,9 +359,6 @@ pub struct MoefuseCombineBwdArgs {
 /// `MOEFUSE_MOE_ERROR_SOURCE`: the fused gate_up met a `source_of` entry outside
 /// `0..tokens * top_k` (it read token 0 instead).
 pub const MOEFUSE_MOE_ERROR_SOURCE: u32 = 16;
-/// `MOEFUSE_MOE_ERROR_GRID_SYNC`: a block of the one-kernel decode forward gave up at its
-/// grid barrier (its y tile was not written).
-pub const MOEFUSE_MOE_ERROR_GRID_SYNC: u32 = 32;
 
 /// `moefuse_gate_up_args` (moe_abi.h): the fused gate_up (gather, GEMM, activation).
 #[repr(C)]
@@ -541,9 +538,9 @@ pub struct MoefuseDecodeArgs {
     pub y_e_rows: *mut c_void,
     /// `[1]` error bits, or null.
     pub errors: *mut u32,
-    /// `[4]` words the kernels keep (zero before their first use): the one-kernel path's
-    /// grid barrier, the gate_up's unit counter; or null (two kernels, fixed shares).
-    pub grid_sync: *mut u32,
+    /// `[1]` word the kernels keep (zero before its first use): the gate_up's unit
+    /// counter; or null (fixed shares).
+    pub unit_counter: *mut u32,
 }
 
 /// `MOEFUSE_DECODE_MAX_TOKENS` (moe_abi.h).
@@ -728,7 +725,7 @@ mod tests {
         assert_eq!(offset_of!(MoefuseDecodeArgs, alpha), 32);
         assert_eq!(offset_of!(MoefuseDecodeArgs, topk_ids), 40);
         assert_eq!(offset_of!(MoefuseDecodeArgs, errors), 128);
-        assert_eq!(offset_of!(MoefuseDecodeArgs, grid_sync), 136);
+        assert_eq!(offset_of!(MoefuseDecodeArgs, unit_counter), 136);
         assert_eq!(size_of::<MoefuseGateUpArgs>(), 168);
         assert_eq!(size_of::<MoefuseDownDgradArgs>(), 136);
         assert_eq!(offset_of!(MoefuseDownDgradArgs, offsets), 40);

@@ -230,15 +230,6 @@ pub enum MoeError {
         /// The fused gate_up met a `source_of` entry outside `0..tokens * top_k`.
         source_out_of_range: bool,
     },
-    /// A block of the one-kernel decode forward waited at its grid barrier past the
-    /// deadline (an SM held by other work, or a fault) and skipped its part of `y`: the
-    /// forward's output is incomplete.
-    #[error("the one-kernel decode forward's grid barrier timed out (y incomplete; set MOEFUSE_DECODE_KERNELS=2 to run two kernels){}",
-        if *routing_bits != 0 { "; invalid device routing was raised too" } else { "" })]
-    GridSyncTimeout {
-        /// The routing error bits raised in the same window (`MOEFUSE_MOE_ERROR_*`).
-        routing_bits: u32,
-    },
     /// A backward (or its gradient buffers) was asked of a layer that keeps nothing for
     /// one.
     #[error("backward needs a layer built with Mode::Training; this one is in {mode} mode and saves nothing for a backward")]

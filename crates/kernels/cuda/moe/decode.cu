@@ -1,7 +1,7 @@
 // The small-batch (decode) forward of moe_abi.h (moefuse_moe_decode_forward): two persistent
-// kernels (or one, below) that stream every touched expert's weights from memory once, with
-// the few token rows as the narrow side of tensor-core MMAs (mma.sync m16n8k16, weights as
-// the 16-row A operand, up to 16 routed rows per pass as two 8-column B operands).
+// kernels that stream every touched expert's weights from memory once, with the few token
+// rows as the narrow side of tensor-core MMAs (mma.sync m16n8k16, weights as the 16-row A
+// operand, up to 16 routed rows per pass as two 8-column B operands).
 //
 // Both kernels first build the same routing table in shared memory (decode_routing.cuh):
 // the touched experts in ascending order and each one's slots in ascending order.
@@ -11,6 +11,7 @@
 //   -------+-----------------------------------------------------------------------
 //   0..7   | an eighth of hidden (K) each: A rows straight from global memory into
 //          | registers (16 bytes per lane per row), B = the x rows of the expert's slots
+//          | (units taken from a counter the grid shares when unit_counter is given)
 //   all    | fixed-order sum of the eight partials in shared memory, the activation on
 //          | the fp32 sums, h (and the expert-major copies) written as bf16
 // down kernel (16 warps per block), one unit = 16 columns of y (16 rows of every D_e):
@@ -21,13 +22,7 @@
 //   all    | fixed-order sum of the splits (bf16 y_e), then y[t] = sum_j w * y_e in
 //          | slot order (fp32), written as bf16
 //
-// one kernel (16 warps per block, one block per SM; where a 16-row tile of every touched
-// D_e fits in shared memory): warp 0 issues bulk copies of the block's y tile of D_e into
-// shared memory; warps 0..7 and 8..15 run gate_up units as two teams (as the gate_up
-// kernel); a grid barrier (h complete); the down tile as the down kernel, A from shared
-// memory.
-//
-// NOTES: no shared-memory staging for A in the gate_up: each weight element is used by the 8 to 64 columns
+// NOTES: no shared-memory staging for A: each weight element is used by the 8 to 64 columns
 // of one MMA group and never again, so registers are the stage. The K order inside an MMA
 // is a permutation both operands follow (lane t's 16-byte load covers logical k 2t, 2t+1,
 // 2t+8, 2t+9 of one MMA and the same four of the next), so a lane's load is one 16-byte
@@ -35,13 +30,10 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe/decode_mma.cuh"
-#include "moefuse/moe/decode_sync.cuh"
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
@@ -49,7 +41,7 @@ static_assert(sizeof(moefuse_decode_args) == 144, "moefuse_decode_args layout ch
 static_assert(offsetof(moefuse_decode_args, alpha) == 32, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, topk_ids) == 40, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, errors) == 128, "moefuse_decode_args layout changed");
-static_assert(offsetof(moefuse_decode_args, grid_sync) == 136, "moefuse_decode_args layout changed");
+static_assert(offsetof(moefuse_decode_args, unit_counter) == 136, "moefuse_decode_args layout changed");
 
 namespace moefuse::moe {
 namespace {
@@ -70,25 +62,10 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
 
 // ---- gate_up ----------------------------------------------------------------------------
 
-// The eight warps of one gate_up team: the whole block in the gate_up kernel (kWholeBlock),
-// a half of it in the one-kernel path (named barrier `barrier` there).
-template <bool kWholeBlock>
-struct Team {
-  int barrier;  // 1 or 2 unless kWholeBlock
-  __device__ int thread() const { return kWholeBlock ? int(threadIdx.x) : int(threadIdx.x) % (kGateUpWarps * 32); }
-  __device__ int warp() const { return thread() >> 5; }
-  __device__ void sync() const {
-    if constexpr (kWholeBlock) __syncthreads();
-    else asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(kGateUpWarps * 32) : "memory");
-  }
-};
-
-// Each warp's MMA partials of one unit, summed in warp order by gate_up_store.
-using GateUpPartials = float[kGateUpWarps][kMaxGroupBlocks][32][4];
-
 struct GateUpShared {
   Routing routing;
-  GateUpPartials partial;
+  int next[2];  // the block's next units (unit_counter)
+  float partial[kGateUpWarps][kMaxGroupBlocks][32][4];
 };
 
 // The two rows of W_e a lane's fragments hold for tile `tile`: (row g, row g + 8) of the
@@ -110,9 +87,9 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
 // One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
 // MMAs into shared partials.
 template <int NB>
-__device__ void gate_up_partial(const moefuse_decode_args& a, GateUpPartials& partial, int warp, const int* slots,
-                                int n, const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
-  const int lane = threadIdx.x & 31, g = lane >> 2;
+__device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
+                                const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
   uint32_t b_off[NB];  // tokens * hidden < 2^26
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -126,22 +103,22 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpPartials& pa
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][nb][lane][i] = acc[nb][i];
+    for (int i = 0; i < 4; ++i) sm.partial[warp][nb][lane][i] = acc[nb][i];
   }
 }
 
-__device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials& partial, int thread,
-                              const int* slots, int n, int tile, int blocks) {
+__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
+                              int blocks) {
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
-  for (int i = thread; i < blocks * 32; i += kGateUpWarps * 32) {
+  for (int i = threadIdx.x; i < blocks * 32; i += blockDim.x) {
     const int nb = i >> 5, lane = i & 31, g = lane >> 2, t = lane & 3;
     float c[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       float v = 0.f;
 #pragma unroll
-      for (int w = 0; w < kGateUpWarps; ++w) v += partial[w][nb][lane][r];
+      for (int w = 0; w < kGateUpWarps; ++w) v += sm.partial[w][nb][lane][r];
       c[r] = v;
     }
     int lo, hi;
@@ -182,69 +159,53 @@ __device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials
   }
 }
 
-// Where a team takes its gate_up units: statically (unit0, unit0 + stride, ...), or with
-// `counter` (a word of grid_sync, zero at the launch) from a counter the whole grid shares,
-// one unit ahead (`next`: two ints of shared memory per team), so that the teams that
-// stream faster take more units and the grid's gate_up ends together. The kernel after the
-// gate_up (the down kernel, or the one kernel past its grid barrier) zeroes the counter.
-struct UnitQueue {
-  uint32_t* counter;  // nullptr: static
-  int* next;          // [2], this team's
-  int unit0, stride;
-};
-
-// A team's gate_up units of the routing `rt`, (touched expert, 16 rows of W_e) each.
-template <class Table, class Team>
-__device__ void gate_up_units(const moefuse_decode_args& a, const Table& rt, GateUpPartials& partial, Team team,
-                              UnitQueue q) {
-  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
-  const int width = gated ? 2 * a.intermediate : a.intermediate;
-  const int tiles = width / 16;
-  const int units = rt.touched * tiles;
-  const int chunks = a.hidden / kChunk, warp = team.warp(), g = (threadIdx.x & 31) >> 2;
-  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-  const bool leader = team.thread() == 0;
-  int u = q.unit0;
-  if (q.counter != nullptr) {
-    if (leader) q.next[0] = int(atomicAdd(q.counter, 1u));
-    team.sync();
-    u = q.next[0];
-  }
-  for (int i = 0; u < units; ++i) {
-    // The next unit, read after this one's team barriers (every touched expert has a slot,
-    // so there is at least one group below); the other half of `next` was last read
-    // before them.
-    if (q.counter != nullptr && leader) q.next[(i + 1) & 1] = int(atomicAdd(q.counter, 1u));
-    const int ti = u / tiles, tile = u - ti * tiles, e = rt.expert[ti];
-    int lo, hi;
-    tile_rows(a, tile, g, lo, hi);
-    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
-    const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
-    const int first = rt.start[ti], count = rt.start[ti + 1] - first;
-    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
-      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
-      const int* slots = rt.slot + first + base;
-      team.sync();  // the previous group's partials are read
-      if (blocks == 1) gate_up_partial<1>(a, partial, warp, slots, n, w_lo, w_hi, c0, c1);
-      else gate_up_partial<2>(a, partial, warp, slots, n, w_lo, w_hi, c0, c1);
-      team.sync();
-      gate_up_store(a, partial, team.thread(), slots, n, tile, blocks);
-    }
-    u = q.counter != nullptr ? q.next[(i + 1) & 1] : u + q.stride;
-  }
-}
-
-__global__ void __launch_bounds__(kGateUpWarps * 32, 2)
-    decode_gate_up_kernel(moefuse_decode_args a, uint32_t* unit_counter) {
+// A block takes its units (touched expert, 16 rows of W_e) statically (blockIdx.x,
+// blockIdx.x + gridDim.x, ...) or, with a.unit_counter (zero at the launch), from a counter
+// the grid shares, one unit ahead, so that the blocks that stream faster take more units
+// and the gate_up ends together (H100: 1-3.5 % faster at T = 8..64, docs/perf-notes.md).
+// The down kernel zeroes the counter again.
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
   __shared__ GateUpShared sm;
-  __shared__ int next[2];
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
   decode::wait_for_prerequisite();
   decode::allow_dependent_launch();
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  gate_up_units(a, sm.routing, sm.partial, Team<true>{0},
-                UnitQueue{unit_counter, next, int(blockIdx.x), int(gridDim.x)});
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int width = gated ? 2 * a.intermediate : a.intermediate;
+  const int tiles = width / 16;
+  const int units = sm.routing.touched * tiles;
+  const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
+  uint32_t* counter = a.unit_counter;
+  int u = blockIdx.x;
+  if (counter != nullptr) {
+    if (threadIdx.x == 0) sm.next[0] = int(atomicAdd(counter, 1u));
+    __syncthreads();
+    u = sm.next[0];
+  }
+  for (int i = 0; u < units; ++i) {
+    // The unit after this one, read after this one's barriers (a touched expert has a
+    // slot, so there is at least one group below); the other half of `next` was last read
+    // before them.
+    if (counter != nullptr && threadIdx.x == 0) sm.next[(i + 1) & 1] = int(atomicAdd(counter, 1u));
+    const int ti = u / tiles, tile = u - ti * tiles, e = sm.routing.expert[ti];
+    int lo, hi;
+    tile_rows(a, tile, g, lo, hi);
+    const uint16_t* w = a.w_gate_up + size_t(e) * width * a.hidden;
+    const uint16_t *w_lo = w + size_t(lo) * a.hidden, *w_hi = w + size_t(hi) * a.hidden;
+    const int first = sm.routing.start[ti], count = sm.routing.start[ti + 1] - first;
+    for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
+      const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
+      const int* slots = sm.routing.slot + first + base;
+      __syncthreads();  // the previous group's partials are read
+      if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      __syncthreads();
+      gate_up_store(a, sm, slots, n, tile, blocks);
+    }
+    u = counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x);
+  }
 }
 
 // ---- down + combine ---------------------------------------------------------------------
@@ -270,9 +231,7 @@ __device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, i
   }
 }
 
-// One (group, K split) item of a down tile: A rows w_lo / w_hi of D_e (global memory, or
-// the staged tile in shared memory when kStagedA), B = h rows of the group's slots.
-template <int NB, bool kStagedA>
+template <int NB>
 __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
                              const uint16_t* w_hi, int c0, int c1, float* part) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -283,13 +242,8 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
     b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
   }
   float acc[NB][4];
-  if constexpr (kStagedA) {
-    // h was written by other blocks of this grid: read through L2, 6 or 4 chunks in flight.
-    decode::mma_rows_shared_a<NB, NB == 1 ? 6 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
-  } else {
-    // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
-    decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
-  }
+  // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
+  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -304,75 +258,7 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
 }
 
-// Where a down tile's 16 rows of D_e come from: global memory at column d0, or (kStagedA)
-// the tile staged in shared memory, touched expert ti's rows at staged + ti * 16 * stride.
-template <bool kStagedA>
-struct DownRows {
-  const uint16_t* staged;
-  int stride;
-  __device__ const uint16_t* row(const moefuse_decode_args& a, int e, int ti, int d0, int r) const {
-    if constexpr (kStagedA) return staged + size_t(ti * 16 + r) * stride;
-    else return a.w_down + (size_t(e) * a.hidden + d0 + r) * a.intermediate;
-  }
-};
-
-// y[:, d0, d0 + 16) of the call: the 16 warps take the (group, K split) items of the tile
-// into part [splits][valid slots][16]; then y_e = bf16(sum of the splits in order) (and its
-// expert-major copy), y[t] = sum over the token's slots in order of w * y_e (fp32). Ends
-// with the block synchronised (part free again).
-template <bool kStagedA, class Table, class GroupTable>
-__device__ void down_tile(const moefuse_decode_args& a, const Table& rt, const GroupTable& gr, DownRows<kStagedA> src,
-                          float* part, int d0, int splits) {
-  const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
-  const int items = gr.count * splits;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int slots_total = a.tokens * a.top_k;
-  for (int item = warp; item < items; item += kDownWarps) {
-    const int gi = item / splits, sp = item - gi * splits;
-    const int ti = gr.touched[gi], e = rt.expert[ti];
-    const uint16_t *w_lo = src.row(a, e, ti, d0, g), *w_hi = src.row(a, e, ti, d0, g + 8);
-    const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
-    const int first = rt.start[ti] + gr.base[gi];
-    const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
-    const int* slots = rt.slot + first;
-    float* p = part + (size_t(sp) * valid + first) * 16;
-    if (n <= 8) down_partial<1, kStagedA>(a, slots, n, w_lo, w_hi, c0, c1, p);
-    else down_partial<2, kStagedA>(a, slots, n, w_lo, w_hi, c0, c1, p);
-  }
-  __syncthreads();
-  // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
-  for (int i = threadIdx.x; i < valid * 16; i += blockDim.x) {
-    float v = 0.f;
-    for (int sp = 0; sp < splits; ++sp) v += part[size_t(sp) * valid * 16 + i];
-    const __nv_bfloat16 b = __float2bfloat16_rn(v);
-    part[i] = __bfloat162float(b);
-    if (a.row_of != nullptr && a.y_e_rows != nullptr) {
-      const int row = a.row_of[rt.slot[i >> 4]];
-      if (row >= 0 && row < slots_total) a.y_e_rows[size_t(row) * a.hidden + d0 + (i & 15)] = __bfloat16_as_ushort(b);
-    }
-  }
-  __syncthreads();
-  // y[t, d0 + r] = sum over the token's slots in order of w * y_e (fp32).
-  for (int i = threadIdx.x; i < a.tokens * 16; i += blockDim.x) {
-    const int t = i >> 4, r = i & 15;
-    float acc = 0.f;
-    for (int j = 0; j < a.top_k; ++j) {
-      const int s = t * a.top_k + j, p = rt.position[s];
-      if (p >= 0) acc += a.topk_weights[s] * part[p * 16 + r];
-    }
-    a.y[size_t(t) * a.hidden + d0 + r] = bf16_bits(acc);
-  }
-  __syncthreads();  // part is rewritten by the next tile
-}
-
-// K splits of the down items so that every warp has work when there are few groups.
-__device__ __forceinline__ int down_splits(int groups, int split_cap, int chunks) {
-  const int splits = (kDownWarps + groups - 1) / max(groups, 1);
-  return max(1, min(splits, min(split_cap, chunks)));
-}
-
-__global__ void __launch_bounds__(kDownWarps * 32, 1)
-    decode_down_kernel(moefuse_decode_args a, int split_cap, uint32_t* unit_counter) {
+__global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
   extern __shared__ float part[];  // [splits][valid slots][16]
   Routing& rt = sm.routing;
@@ -386,172 +272,83 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1)
   // it warms L2 with its first tile's weights, then waits for h.
   if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
   decode::wait_for_prerequisite();
-  if (unit_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *unit_counter = 0u;  // the gate_up is done
-  const int splits = down_splits(gr.count, split_cap, a.intermediate / kChunk);
-  const int tiles = a.hidden / 16;
+  // The gate_up kernel has completed: its unit counter is free for the next call.
+  if (a.unit_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *a.unit_counter = 0u;
+  const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;
+  // K splits so that every warp has work when there are few groups.
+  int splits = (kDownWarps + gr.count - 1) / max(gr.count, 1);
+  splits = max(1, min(splits, min(split_cap, chunks)));
+  const int items = gr.count * splits, tiles = a.hidden / 16;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int slots_total = a.tokens * a.top_k;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    down_tile(a, rt, gr, DownRows<false>{nullptr, 0}, part, tile * 16, splits);
-  }
-}
-
-// ---- one kernel --------------------------------------------------------------------------
-
-// The one-kernel path (sm_90+, T*top_k <= 64, every touched expert's 16 rows of D_e for the
-// block's y tile fit in shared memory, a y tile per resident block): block b first issues
-// bulk copies of its tile's rows of every touched D_e into shared memory, runs gate_up units
-// as two teams of eight warps while they land, meets every other block at a grid barrier
-// (h complete), then runs its down tile from shared memory: the down weights stream during
-// the gate_up, and there is no second launch, ramp and tail.
-constexpr int kFusedSlots = 64;
-using FusedRouting = decode::RoutingTable<kFusedSlots, kFusedSlots>;
-
-struct FusedShared {
-  FusedRouting routing;
-  decode::GroupsTable<kFusedSlots> groups;
-  GateUpPartials partial[2];  // the two teams' partials, then the down tile's y_e partials
-  uint64_t tile_full;         // the staged tile's mbarrier
-  int next[2][2];             // the teams' next units (UnitQueue)
-};
-constexpr int kFusedPartFloats = int(sizeof(GateUpPartials) * 2 / sizeof(float));
-
-// How a block's tile of D_e is staged: `packed`, one bulk copy per touched expert (its 16
-// rows are contiguous in D_e: 24 KB at Qwen3-30B-A3B), rows I elements apart (two rows a
-// quarter-warp's 16-byte loads read share banks when 2I is a multiple of 128: a two-way
-// conflict); else one copy per row into rows padded to 64 bytes more than a multiple of
-// 128 (no conflict, 16x the copies). MOEFUSE_DECODE_STAGE=rows picks the second (an A/B
-// knob); packed is the default.
-struct Staging {
-  int stride;  // elements from one staged row to the next
-  bool packed;
-};
-
-__host__ __device__ constexpr int padded_stride(int intermediate) {
-  return (2 * intermediate) % 128 == 0 ? intermediate + 32 : intermediate;
-}
-
-__global__ void __launch_bounds__(kDownWarps * 32, 1)
-    decode_fused_kernel(moefuse_decode_args a, int split_cap, Staging staging, uint32_t* unit_counter) {
-  __shared__ FusedShared sm;
-  extern __shared__ __align__(128) uint16_t staged[];  // [touched * 16][staging.stride]
-  // Launched programmatically behind the router: resident before it ends, reading its
-  // topk_ids only once it has completed.
-  decode::wait_for_prerequisite();
-  FusedRouting& rt = sm.routing;
-  rt.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  sm.groups.build(rt, 8 * kMaxGroupBlocks);
-  const decode::BulkTile tile{&sm.tile_full};
-  // One thread issues every copy: the mbarrier's operations stay in one thread's program
-  // order.
-  if (blockIdx.x < a.hidden / 16 && threadIdx.x == 0) {
-    const uint32_t row_bytes = uint32_t(a.intermediate) * 2u;
-    tile.expect(uint32_t(rt.touched) * 16u * row_bytes);
-    for (int ti = 0; ti < rt.touched; ++ti) {
-      const uint16_t* src = a.w_down + (size_t(rt.expert[ti]) * a.hidden + blockIdx.x * 16) * a.intermediate;
-      if (staging.packed) {
-        tile.copy(staged + size_t(ti) * 16 * staging.stride, src, 16u * row_bytes);
-      } else {
-        for (int r = 0; r < 16; ++r) {
-          tile.copy(staged + size_t(ti * 16 + r) * staging.stride, src + size_t(r) * a.intermediate, row_bytes);
-        }
+    const int d0 = tile * 16;
+    for (int item = warp; item < items; item += kDownWarps) {
+      const int gi = item / splits, sp = item - gi * splits;
+      const int ti = gr.touched[gi], e = rt.expert[ti];
+      const uint16_t* w = a.w_down + (size_t(e) * a.hidden + d0) * a.intermediate;
+      const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
+      const int c0 = chunks * sp / splits, c1 = chunks * (sp + 1) / splits;
+      const int first = rt.start[ti] + gr.base[gi];
+      const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
+      const int* slots = rt.slot + first;
+      float* p = part + (size_t(sp) * valid + first) * 16;
+      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
+    }
+    __syncthreads();
+    // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
+    for (int i = threadIdx.x; i < valid * 16; i += blockDim.x) {
+      float v = 0.f;
+      for (int sp = 0; sp < splits; ++sp) v += part[size_t(sp) * valid * 16 + i];
+      const __nv_bfloat16 b = __float2bfloat16_rn(v);
+      part[i] = __bfloat162float(b);
+      if (a.row_of != nullptr && a.y_e_rows != nullptr) {
+        const int row = a.row_of[rt.slot[i >> 4]];
+        if (row >= 0 && row < slots_total) a.y_e_rows[size_t(row) * a.hidden + d0 + (i & 15)] = __bfloat16_as_ushort(b);
       }
     }
+    __syncthreads();
+    // y[t, d0 + r] = sum over the token's slots in order of w * y_e (fp32).
+    for (int i = threadIdx.x; i < a.tokens * 16; i += blockDim.x) {
+      const int t = i >> 4, r = i & 15;
+      float acc = 0.f;
+      for (int j = 0; j < a.top_k; ++j) {
+        const int s = t * a.top_k + j, p = rt.position[s];
+        if (p >= 0) acc += a.topk_weights[s] * part[p * 16 + r];
+      }
+      a.y[size_t(t) * a.hidden + d0 + r] = bf16_bits(acc);
+    }
+    __syncthreads();  // part is rewritten by the next tile
   }
-  const int team = threadIdx.x / (kGateUpWarps * 32);
-  gate_up_units(a, rt, sm.partial[team], Team<false>{1 + team},
-                UnitQueue{unit_counter, sm.next[team], int(2 * blockIdx.x + team), int(2 * gridDim.x)});
-  const bool synced = decode::grid_barrier(a.grid_sync);
-  // Past the barrier every block's gate_up is done: no unit is taken any more.
-  if (synced && unit_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *unit_counter = 0u;
-  if (!synced && threadIdx.x == 0 && a.errors != nullptr) atomicOr(a.errors, MOEFUSE_MOE_ERROR_GRID_SYNC);
-  if (blockIdx.x >= a.hidden / 16) return;
-  tile.wait();  // also when not synced: no copy may land after the block has left
-  if (!synced) return;
-  const int splits = down_splits(sm.groups.count, split_cap, a.intermediate / kChunk);
-  const DownRows<true> rows{staged, staging.stride};
-  down_tile(a, rt, sm.groups, rows, &sm.partial[0][0][0][0][0], blockIdx.x * 16, splits);
 }
 
 // ---- host -------------------------------------------------------------------------------
 
-// Resident blocks per device of the kernels (SMs x blocks per SM) and the one-kernel path's
-// shared-memory room for a staged tile, looked up once per device; the dynamic shared
-// memory limits are raised on the same first call.
+// Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
+// device; the down kernel's dynamic shared memory limit is raised on the same first call.
 struct Grids {
-  int gate_up, down, fused, sm_major;
-  size_t fused_tile_bytes;
+  int gate_up, down;
 };
 
 Grids resident_grids() {
-  static std::atomic<int> cache[64][4];
-  static std::atomic<size_t> room[64];
+  static std::atomic<int> cache[64][2];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132, 0, 0, 0};
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132};
   int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
-  if (up > 0 && down > 0) {
-    return {up, down, cache[dev][2].load(std::memory_order_acquire), cache[dev][3].load(std::memory_order_acquire),
-            room[dev].load(std::memory_order_acquire)};
-  }
-  int sms = 0, major = 0, optin = 0, up_per_sm = 0, down_per_sm = 0, fused_per_sm = 0;
+  if (up > 0 && down > 0) return {up, down};
+  int sms = 0, up_per_sm = 0, down_per_sm = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        int(kPartFloats * sizeof(float)));
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
                                                 kPartFloats * sizeof(float));
-  // The one-kernel path: all the opt-in shared memory beside the static part is tile room.
-  size_t tile_room = 0;
-  cudaFuncAttributes fa{};
-  if (major >= 9 && cudaFuncGetAttributes(&fa, decode_fused_kernel) == cudaSuccess &&
-      optin > int(fa.sharedSizeBytes)) {
-    tile_room = size_t(optin) - fa.sharedSizeBytes;
-    if (cudaFuncSetAttribute(decode_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tile_room)) !=
-            cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fused_per_sm, decode_fused_kernel, kDownWarps * 32,
-                                                      tile_room) != cudaSuccess) {
-      tile_room = 0;
-      fused_per_sm = 0;
-    }
-  }
-  cudaGetLastError();  // an attribute call that failed leaves the one-kernel path off, nothing else
   up = max(1, sms) * max(1, up_per_sm);
   down = max(1, sms) * max(1, down_per_sm);
-  const int fused = fused_per_sm > 0 ? sms * fused_per_sm : 0;
-  room[dev].store(tile_room, std::memory_order_release);
-  cache[dev][2].store(fused, std::memory_order_release);
-  cache[dev][3].store(major, std::memory_order_release);
   cache[dev][0].store(up, std::memory_order_release);
   cache[dev][1].store(down, std::memory_order_release);
-  return {up, down, fused, major, tile_room};
-}
-
-// MOEFUSE_DECODE_STAGE=rows stages the one-kernel path's tile row by row (Staging).
-// MOEFUSE_DECODE_SCHEDULE=static hands the gate_up units out statically (UnitQueue).
-bool static_units() {
-  static const bool fixed = [] {
-    const char* v = std::getenv("MOEFUSE_DECODE_SCHEDULE");
-    return v != nullptr && std::strcmp(v, "static") == 0;
-  }();
-  return fixed;
-}
-
-bool stage_rows() {
-  static const bool rows = [] {
-    const char* v = std::getenv("MOEFUSE_DECODE_STAGE");
-    return v != nullptr && std::strcmp(v, "rows") == 0;
-  }();
-  return rows;
-}
-
-// MOEFUSE_DECODE_KERNELS=2 keeps the two-kernel path where the one-kernel path applies (an
-// A/B knob for benchmarks), read once per process.
-bool one_kernel_allowed() {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MOEFUSE_DECODE_KERNELS");
-    return v == nullptr || std::strcmp(v, "2") != 0;
-  }();
-  return allowed;
+  return {up, down};
 }
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
@@ -578,8 +375,8 @@ moefuse_status check(const moefuse_decode_args* a, const char* name) {
   for (const void* p : rows) {
     if (!aligned16(p)) return fail(MOEFUSE_STATUS_MISALIGNED, "%s: a bf16 matrix is not 16-byte aligned", name);
   }
-  if (reinterpret_cast<uintptr_t>(a->grid_sync) % alignof(uint32_t) != 0) {
-    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: grid_sync is not 4-byte aligned", name);
+  if (reinterpret_cast<uintptr_t>(a->unit_counter) % alignof(uint32_t) != 0) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: unit_counter is not 4-byte aligned", name);
   }
   return MOEFUSE_STATUS_OK;
 }
@@ -597,41 +394,22 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   // At most min(experts, slots) experts are touched: no block beyond their units.
   const int slots = a->tokens * a->top_k;
   const int width = a->activation == MOEFUSE_ACTIVATION_RELU2 ? a->intermediate : 2 * a->intermediate;
-  const int max_touched = min(a->experts, slots);
-  const int max_units = max_touched * (width / 16);
-  // Every launch is with programmatic stream serialization (kept by stream capture): the
-  // first kernel's blocks become resident while the router (or whatever precedes) finishes
-  // and wait for it in griddepcontrol.wait; the down kernel's blocks build their table and
-  // prefetch their first tile's weights into L2 while the gate_up kernel's last blocks
-  // run, then wait for h.
+  const int max_units = min(a->experts, slots) * (width / 16);
+  // Both kernels are launched with programmatic stream serialization (kept by stream
+  // capture): the gate_up kernel's blocks become resident while the router (or whatever
+  // precedes) finishes and wait for it in griddepcontrol.wait; the down kernel's blocks
+  // build their table and prefetch their first tile's weights into L2 while the gate_up
+  // kernel's last blocks run, then wait for h.
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  // grid_sync[2]: the gate_up's unit counter (UnitQueue), unless static.
-  uint32_t* unit_counter = a->grid_sync != nullptr && !static_units() ? a->grid_sync + 2 : nullptr;
-  const Staging staging = stage_rows() ? Staging{padded_stride(a->intermediate), false}
-                                       : Staging{a->intermediate, true};
-  const size_t staged_bytes = size_t(max_touched) * 16 * staging.stride * sizeof(uint16_t);
-  if (a->grid_sync != nullptr && grids.sm_major >= 9 && slots <= kFusedSlots && one_kernel_allowed() &&
-      a->hidden / 16 <= grids.fused && staged_bytes <= grids.fused_tile_bytes) {
-    const int split_cap = max(1, min((kDownWarps + a->top_k - 1) / a->top_k, kFusedPartFloats / (16 * slots)));
-    cudaLaunchConfig_t one = {};
-    one.gridDim = dim3(min(grids.fused, max(a->hidden / 16, (max_units + 1) / 2)));
-    one.blockDim = dim3(kDownWarps * 32);
-    one.dynamicSmemBytes = staged_bytes;
-    one.stream = s;
-    one.attrs = attr;
-    one.numAttrs = 1;
-    if (cudaLaunchKernelEx(&one, decode_fused_kernel, *a, split_cap, staging, unit_counter) != cudaSuccess) return after_launch(name);
-    return after_launch(name);
-  }
   cudaLaunchConfig_t up = {};
   up.gridDim = dim3(min(grids.gate_up, max_units));
   up.blockDim = dim3(kGateUpWarps * 32);
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a, unit_counter) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
@@ -646,6 +424,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   launch.stream = s;
   launch.attrs = attr;
   launch.numAttrs = 1;
-  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap, unit_counter) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }

@@ -37,7 +37,7 @@ pub const DECODE_DIM_MULTIPLE: usize = 32;
 ///     experts: e, kind: ActivationKind::SwiGlu, layout: GateUpLayout::Split,
 ///     topk_ids: &ids, topk_weights: &w, x: &x, w_gate_up: &gate_up, w_down: &down,
 ///     h: &mut h, y: &mut y, row_of: None, h_pre_rows: None, h_rows: None, y_e_rows: None,
-///     errors: None, grid_sync: None })?;
+///     errors: None, unit_counter: None })?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct DecodeForward<'a> {
@@ -79,13 +79,11 @@ pub struct DecodeForward<'a> {
     pub y_e_rows: Option<&'a mut dyn DevicePtrMut<bf16>>,
     /// `[1]` error bits, or `None`.
     pub errors: Option<&'a mut dyn DevicePtrMut<u32>>,
-    /// `[4]` words, zero before their first use, that the kernels keep (one stream at a
-    /// time): the one-kernel path's grid barrier and the counter the gate_up takes its units
-    /// from; or `None`: two kernels and fixed shares always. With them the forward runs as
-    /// one kernel where it applies (sm_90+, `tokens · top_k ≤ 64`, a 16-row tile of
-    /// every touched `D_e` fits in a block's shared memory; `MOEFUSE_DECODE_KERNELS=2`
-    /// keeps two): the same sums in the same order, so the same bits.
-    pub grid_sync: Option<&'a mut dyn DevicePtrMut<u32>>,
+    /// `[1]` word, zero before its first use, that the kernels keep (one stream at a
+    /// time): the gate_up kernel's blocks take their units from it, so that the faster ones
+    /// take more, and the down kernel zeroes it again; or `None`: fixed shares. The same
+    /// sums in the same order either way, so the same bits.
+    pub unit_counter: Option<&'a mut dyn DevicePtrMut<u32>>,
 }
 
 impl<'a> DecodeForward<'a> {
@@ -167,7 +165,7 @@ impl<'a> DecodeForward<'a> {
             ROW_ALIGN,
         )?;
         let errors = b.write_opt("errors", self.errors, 1, 4)?;
-        let grid_sync = b.write_opt("grid_sync", self.grid_sync, 4, 4)?;
+        let unit_counter = b.write_opt("unit_counter", self.unit_counter, 1, 4)?;
         Ok(Some(Call::DecodeForward(ffi::MoefuseDecodeArgs {
             tokens: to_i32(kernel, "tokens", t)?,
             top_k: to_i32(kernel, "top_k", k)?,
@@ -191,7 +189,7 @@ impl<'a> DecodeForward<'a> {
             h_rows: h_rows as *mut _,
             y_e_rows: y_e_rows as *mut _,
             errors: errors as *mut u32,
-            grid_sync: grid_sync as *mut u32,
+            unit_counter: unit_counter as *mut u32,
         })))
     }
 }

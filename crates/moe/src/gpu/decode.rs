@@ -1,8 +1,6 @@
 //! The small-batch (decode) forward: for up to [`DECODE_MAX_TOKENS`] tokens the whole expert
-//! MLP after routing — gate_up, activation, down, weighted combine — runs as one kernel
-//! (a grid barrier between gate_up and down, the down weights staged in shared memory
-//! meanwhile; where they fit, e.g. Qwen3-30B-A3B at one token) or two, streaming each
-//! touched expert's weights from memory once (moe/decode.cu), instead of
+//! MLP after routing — gate_up, activation, down, weighted combine — runs as two kernels
+//! that stream each touched expert's weights from memory once (moe/decode.cu), instead of
 //! the permutation, two grouped GEMMs with 128-row tiles for a handful of rows, the
 //! activation and the combine. [`MoeLayer`](super::MoeLayer) takes this path by itself where
 //! [`decode_preferred`] holds ([`MoeLayer::set_decode_path`](super::MoeLayer::set_decode_path)).
@@ -152,7 +150,7 @@ pub(super) fn decode_forward_with(
             ),
             None => (None, None, None, None),
         };
-    let (mut bits, mut grid_sync) = errors.words.split_at_mut(2);
+    let (mut bits, mut unit_counter) = errors.words.split_at_mut(2);
     kernels.launch(
         stream,
         mk::DecodeForward {
@@ -175,7 +173,7 @@ pub(super) fn decode_forward_with(
             h_rows,
             y_e_rows,
             errors: Some(&mut bits),
-            grid_sync: Some(&mut grid_sync),
+            unit_counter: Some(&mut unit_counter),
         },
     )?;
     Ok(())

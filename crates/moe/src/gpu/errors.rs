@@ -6,11 +6,10 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use moefuse_kernels::ffi;
 use std::sync::Arc;
 
-/// Six `u32` words in device memory: `[0]` the error bits the permutation and combine
+/// Three `u32` words in device memory: `[0]` the error bits the permutation and combine
 /// kernels raise (`MOEFUSE_MOE_ERROR_*` in `moe_abi.h`), `[1]` the token count of the last
-/// permutation (the stamp the layer's backward compares with its own), `[2..6]` the decode
-/// forward's (the one-kernel path's grid barrier: a count back at zero after every launch
-/// and a generation; the gate_up's unit counter, zero after every launch; a spare).
+/// permutation (the stamp the layer's backward compares with its own), `[2]` the decode
+/// forward's unit counter (zero after every forward).
 ///
 /// Kernels only ever set bits (never clear them) and skip the offending slot, so a bad
 /// device value never leads to an access outside a buffer. Reading the word needs a host
@@ -44,15 +43,13 @@ impl DeviceErrors {
     /// ```
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self, MoeError> {
         Ok(DeviceErrors {
-            words: stream.alloc_zeros(6)?,
+            words: stream.alloc_zeros(3)?,
         })
     }
 
     /// Reads and clears the error bits (synchronises the word's stream, so not under graph
     /// capture): `Ok` when none were raised, else [`MoeError::InvalidDeviceRouting`]
-    /// naming each kind raised since the last take, or [`MoeError::GridSyncTimeout`] when
-    /// a one-kernel decode forward gave up at its grid barrier (that error first: its
-    /// output is incomplete).
+    /// naming each kind raised since the last take.
     ///
     /// ```no_run
     /// let ctx = cudarc::driver::CudaContext::new(0)?;
@@ -75,11 +72,6 @@ impl DeviceErrors {
     fn decode(bits: u32) -> Result<(), MoeError> {
         if bits == 0 {
             return Ok(());
-        }
-        if bits & ffi::MOEFUSE_MOE_ERROR_GRID_SYNC != 0 {
-            return Err(MoeError::GridSyncTimeout {
-                routing_bits: bits & !ffi::MOEFUSE_MOE_ERROR_GRID_SYNC,
-            });
         }
         Err(MoeError::InvalidDeviceRouting {
             out_of_range: bits & ffi::MOEFUSE_MOE_ERROR_EXPERT_ID != 0,
@@ -129,14 +121,6 @@ mod tests {
                 row_out_of_range: true,
                 stale_forward: false,
                 source_out_of_range: false,
-            })
-        );
-        assert_eq!(
-            DeviceErrors::decode(
-                ffi::MOEFUSE_MOE_ERROR_GRID_SYNC | ffi::MOEFUSE_MOE_ERROR_EXPERT_ID
-            ),
-            Err(MoeError::GridSyncTimeout {
-                routing_bits: ffi::MOEFUSE_MOE_ERROR_EXPERT_ID
             })
         );
         let msg = all.to_string();

@@ -30,7 +30,6 @@ extern "C" {
 #define MOEFUSE_MOE_ERROR_ROW 4u       /* combine, combine_bwd: a row_of entry outside -1..rows-1 (slot skipped) */
 #define MOEFUSE_MOE_ERROR_STALE 8u     /* combine, combine_bwd: *expect_tokens != tokens (nothing read through row_of) */
 #define MOEFUSE_MOE_ERROR_SOURCE 16u   /* gate_up fused: a source_of entry outside 0..tokens*top_k-1 (token 0 read instead); activation_bwd_routed: (row skipped) */
-#define MOEFUSE_MOE_ERROR_GRID_SYNC 32u /* decode forward, one kernel: a block gave up at the grid barrier (y partly unwritten) */
 
 /* Tokens per block of the permutation's count pass; the workspace holds one int32 count
  * per (chunk, expert): moefuse_moe_permute_workspace(tokens, experts) bytes. */
@@ -294,15 +293,9 @@ moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* arg
  * Limits: 1 <= tokens <= MOEFUSE_DECODE_MAX_TOKENS, tokens*top_k <= MOEFUSE_DECODE_MAX_SLOTS,
  * hidden and intermediate multiples of 32, 16-byte aligned x, weights, h, y and the
  * expert-major outputs. Deterministic: no atomics on data, fixed summation orders.
- * One kernel instead of two where it applies (sm_90+, tokens*top_k <= 64, grid_sync not
- * NULL, a 16-row tile of every touched D_e fits in one block's shared memory, hidden/16 <=
- * resident blocks; MOEFUSE_DECODE_KERNELS=2 in the environment keeps two): the same sums in
- * the same order (equal bits), the down weights staged in shared memory during the gate_up,
- * a grid barrier between the two. grid_sync: four words, zero before their first use, then
- * owned by the kernels (one caller stream at a time): the grid barrier's two, and the
- * counter from which the gate_up's units are taken (without grid_sync, or with
- * MOEFUSE_DECODE_SCHEDULE=static, each block takes a fixed share). A block that waits at the barrier past its deadline (4 s:
- * an SM held by other work) raises MOEFUSE_MOE_ERROR_GRID_SYNC and skips its y tile.
+ * unit_counter: a word, zero before its first use, then owned by the kernels (one caller
+ * stream at a time): the gate_up kernel's blocks take their units from it (and the down
+ * kernel zeroes it again); NULL: each block takes a fixed share.
  */
 #define MOEFUSE_DECODE_MAX_TOKENS 64
 #define MOEFUSE_DECODE_MAX_SLOTS 1024
@@ -329,7 +322,7 @@ typedef struct moefuse_decode_args {
   uint16_t* h_rows;             /* [tokens*top_k, intermediate], or NULL */
   uint16_t* y_e_rows;           /* [tokens*top_k, hidden], or NULL */
   uint32_t* errors;             /* [1] error bits, or NULL */
-  uint32_t* grid_sync;          /* [4] zeroed words the kernels keep, or NULL */
+  uint32_t* unit_counter;       /* [1] zeroed word the kernels keep, or NULL */
 } moefuse_decode_args;
 
 moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* args, void* stream);

@@ -360,8 +360,8 @@ impl MoePlan {
         } else {
             0
         };
-        // 24: the DeviceErrors words (error bits, tokens stamp, the decode forward's four).
-        let routing = 4 * r * 4 + 2 * e * 4 + 24 + self.permute_words * 4 + identity + partials;
+        // 12: the DeviceErrors words (error bits, tokens stamp, the decode unit counter).
+        let routing = 4 * r * 4 + 2 * e * 4 + 12 + self.permute_words * 4 + identity + partials;
         LayerMemory {
             mode,
             activations,
@@ -516,10 +516,10 @@ mod tests {
         // Saved: x [8192, 2048] (32 MiB) and h_pre [R, 1536] (192 MiB), bf16.
         assert_eq!(train.activations, 224 * MIB);
         assert_eq!(train.logits, 4 * MIB);
-        // ids, weights, row_of, source_of: 4 × 256 KiB; counts, offsets: 1 KiB; 24 bytes;
+        // ids, weights, row_of, source_of: 4 × 256 KiB; counts, offsets: 1 KiB; 12 bytes;
         // permute scratch: 32 chunks × 128 experts × 4 bytes; in Training the identity rows
         // (32 KiB) and the d_topk_weights partials (R × 3 blocks of 256 columns, fp32).
-        let routing = 4 * r * 4 + 1024 + 24 + 32 * 128 * 4;
+        let routing = 4 * r * 4 + 1024 + 12 + 32 * 128 * 4;
         assert_eq!(train.routing, routing + 8192 * 4 + r * 3 * 4);
         assert_eq!(train.saved_for_backward(), 228 * MIB + train.routing);
         assert!(

@@ -23,17 +23,15 @@ constexpr int kMaxSlots = MOEFUSE_DECODE_MAX_SLOTS;
 // The routed slots of one call, grouped by expert, built by every block from topk_ids:
 // expert[0..touched) the touched experts ascending, slot[start[i]..start[i+1]) the slots
 // (t * top_k + j) of expert[i] ascending, position[s] the index of slot s in `slot` (-1 for
-// an id outside 0..experts-1, which is dropped and flagged). Holds up to kSlots slots
-// (touched <= min(experts, slots) <= kTouched).
-template <int kTouched, int kSlots>
-struct RoutingTable {
+// an id outside 0..experts-1, which is dropped and flagged).
+struct Routing {
   int touched;
-  int expert[kTouched];
-  int start[kTouched + 1];
+  int expert[kMaxExperts];
+  int start[kMaxExperts + 1];
   int cursor[kMaxExperts];
-  int id[kSlots];
-  int slot[kSlots];
-  int position[kSlots];
+  int id[kMaxSlots];
+  int slot[kMaxSlots];
+  int position[kMaxSlots];
 
   // Every thread of the block calls it; ends with the block synchronised.
   __device__ void build(const int32_t* ids, int n, int experts, uint32_t* errors) {
@@ -103,20 +101,16 @@ struct RoutingTable {
   }
 };
 
-using Routing = RoutingTable<kMaxExperts, kMaxSlots>;
-
 // The slots of each touched expert cut into groups of at most `rows` (one MMA pass each):
 // group i is rows [base[i], base[i] + rows) of expert entry touched[i] of the routing.
-template <int kSlots>
-struct GroupsTable {
+struct Groups {
   int count;
-  int touched[kSlots];
-  int base[kSlots];
+  int touched[kMaxSlots];
+  int base[kMaxSlots];
 
   // Warp 0 of the block fills it from a built routing table; ends with the block
   // synchronised.
-  template <class Table>
-  __device__ void build(const Table& rt, int rows) {
+  __device__ void build(const Routing& rt, int rows) {
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const int per = (rt.touched + 31) / 32, t0 = min(lane * per, rt.touched), t1 = min(t0 + per, rt.touched);
@@ -141,7 +135,6 @@ struct GroupsTable {
     __syncthreads();
   }
 };
-using Groups = GroupsTable<kMaxSlots>;
 
 // Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
 // first lets the next kernel on the stream start early, the second waits until this
@@ -221,42 +214,6 @@ __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_
     for (int nb = 0; nb < NB; ++nb) {
       const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8));
       mma_chunk(acc[nb], lo, hi, bv);
-    }
-  }
-}
-
-// acc[nb] = A[16, K range] · B[nb]ᵀ for K chunks [c0, c1) as mma_rows, with this lane's A
-// rows a_lo / a_hi in shared memory and B read through L2 (`ld.global.cg`: B was written by
-// other blocks of the same grid, so no L1 or non-coherent path), U chunks of B in flight per
-// lane.
-template <int NB, int U>
-__device__ __forceinline__ void mma_rows_shared_a(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
-                                                  const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
-  const int k8 = (threadIdx.x & 3) * 8;
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-  int c = c0;
-  for (; c + U <= c1; c += U) {
-    uint4 bv[U][NB];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) bv[u][nb] = __ldcg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint4 lo = *reinterpret_cast<const uint4*>(a_lo + (c + u) * kChunk + k8);
-      const uint4 hi = *reinterpret_cast<const uint4*>(a_hi + (c + u) * kChunk + k8);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) mma_chunk(acc[nb], lo, hi, bv[u][nb]);
-    }
-  }
-  for (; c < c1; ++c) {
-    const uint4 lo = *reinterpret_cast<const uint4*>(a_lo + c * kChunk + k8);
-    const uint4 hi = *reinterpret_cast<const uint4*>(a_hi + c * kChunk + k8);
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      mma_chunk(acc[nb], lo, hi, __ldcg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8)));
     }
   }
 }
