@@ -166,9 +166,7 @@ extern "C" moefuse_status moefuse_moe_down_dgrad_fused(const moefuse_down_dgrad_
   moefuse_status st = check(a, name);
   if (st != MOEFUSE_STATUS_OK) return st;
   int device = 0, sms = 0, major = 0;
-  st = moefuse::device_major(&major);
-  if (st != MOEFUSE_STATUS_OK) return st;
-  st = moefuse::check_device(major == 10 ? 10 : 9, 0, name, &sms, &device);
+  st = moefuse::check_hopper_or_blackwell(name, &major, &sms, &device);
   if (st != MOEFUSE_STATUS_OK || a->tokens == 0) return st;
   const moefuse_grouped_gemm_args g = gemm_problem(*a);
   st = moefuse::ContiguousGroupedLauncher<Config<1>>::check(&g, name);

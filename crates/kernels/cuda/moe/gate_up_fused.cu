@@ -238,9 +238,7 @@ extern "C" moefuse_status moefuse_moe_gate_up_fused(const moefuse_gate_up_args* 
   moefuse_status st = check(a, name);
   if (st != MOEFUSE_STATUS_OK) return st;
   int device = 0, sms = 0, major = 0;
-  st = moefuse::device_major(&major);
-  if (st != MOEFUSE_STATUS_OK) return st;
-  st = moefuse::check_device(major == 10 ? 10 : 9, 0, name, &sms, &device);
+  st = moefuse::check_hopper_or_blackwell(name, &major, &sms, &device);
   if (st != MOEFUSE_STATUS_OK) return st;
   if (a->tokens == 0) return MOEFUSE_STATUS_OK;
   const auto s = static_cast<cudaStream_t>(stream);

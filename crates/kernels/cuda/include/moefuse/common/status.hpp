@@ -83,4 +83,14 @@ inline moefuse_status device_major(int* major) {
                    "cudaDeviceGetAttribute(major)");
 }
 
+// The device check of the MoE launchers with an sm_90a and an sm_100a kernel: `*major` the
+// current device's family (10: Blackwell, else checked as 9.0, so that any other device is
+// refused as not sm_90a), its SM count and index.
+inline moefuse_status check_hopper_or_blackwell(const char* variant, int* major, int* sm_count, int* device) {
+  moefuse_status st = device_major(major);
+  if (st != MOEFUSE_STATUS_OK) return st;
+  if (*major != 10) *major = 9;
+  return check_device(*major, 0, variant, sm_count, device);
+}
+
 }  // namespace moefuse
