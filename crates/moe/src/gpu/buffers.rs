@@ -127,7 +127,12 @@ impl PermuteBuffers {
         check_buffer("permute row_of [T, k]", &self.row_of, rows, stream)?;
         check_buffer("permute source_of [T*k]", &self.source_of, rows, stream)?;
         check_buffer("permute workspace", &self.workspace, ws_words, stream)?;
-        check_buffer("permute error words", &self.errors.words, 3, stream)
+        check_buffer(
+            "permute error words",
+            &self.errors.words,
+            DeviceErrors::WORDS,
+            stream,
+        )
     }
 
     /// `[E]` rows per expert of the last permutation.

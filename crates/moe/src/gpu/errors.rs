@@ -34,6 +34,9 @@ pub struct DeviceErrors {
 }
 
 impl DeviceErrors {
+    /// The `u32` words it holds (the layout above); the layer's memory plan counts them.
+    pub(crate) const WORDS: usize = 3;
+
     /// A cleared error word on `stream`'s device.
     ///
     /// ```no_run
@@ -43,7 +46,7 @@ impl DeviceErrors {
     /// ```
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self, MoeError> {
         Ok(DeviceErrors {
-            words: stream.alloc_zeros(3)?,
+            words: stream.alloc_zeros(Self::WORDS)?,
         })
     }
 

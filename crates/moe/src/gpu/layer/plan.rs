@@ -1,7 +1,7 @@
 //! [`MoePlan`]: the layer's shape validated once and every buffer sized from it, on the
 //! host; [`Mode`] and the [`LayerMemory`] a layer of each mode holds.
 
-use crate::gpu::PermuteBuffers;
+use crate::gpu::{DeviceErrors, PermuteBuffers};
 use crate::{MoeConfig, MoeError};
 use std::fmt;
 
@@ -351,8 +351,8 @@ impl MoePlan {
             0
         };
         // ids, weights, row_of, source_of [R] (4 bytes each); counts, offsets [E]; the
-        // error word and stamp (2 u32); the permutation's scratch; in Training the
-        // identity rows that save x ([T_max] i32).
+        // DeviceErrors words (error bits, tokens stamp, the decode unit counter); the
+        // permutation's scratch; in Training the identity rows that save x ([T_max] i32).
         let identity = if training { self.max_tokens * 4 } else { 0 };
         // Training: the fused down dgrad's d_topk_weights partials.
         let partials = if training {
@@ -360,8 +360,12 @@ impl MoePlan {
         } else {
             0
         };
-        // 12: the DeviceErrors words (error bits, tokens stamp, the decode unit counter).
-        let routing = 4 * r * 4 + 2 * e * 4 + 12 + self.permute_words * 4 + identity + partials;
+        let routing = 4 * r * 4
+            + 2 * e * 4
+            + 4 * DeviceErrors::WORDS
+            + self.permute_words * 4
+            + identity
+            + partials;
         LayerMemory {
             mode,
             activations,
