@@ -159,7 +159,7 @@ moefuse_status check(const moefuse_activation_args* a, const char* name, bool ba
        reinterpret_cast<uintptr_t>(backward ? a->dh : nullptr)) & 1u) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: bf16 buffers must be 2-byte aligned", name);
   }
-  if (a->total_rows != nullptr && (reinterpret_cast<uintptr_t>(a->total_rows) & 3u)) {
+  if (a->total_rows != nullptr && !aligned_for(a->total_rows)) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: total_rows must be 4-byte aligned", name);
   }
   return MOEFUSE_STATUS_OK;

@@ -375,7 +375,7 @@ moefuse_status check(const moefuse_decode_args* a, const char* name) {
   for (const void* p : rows) {
     if (!aligned16(p)) return fail(MOEFUSE_STATUS_MISALIGNED, "%s: a bf16 matrix is not 16-byte aligned", name);
   }
-  if (reinterpret_cast<uintptr_t>(a->unit_counter) % alignof(uint32_t) != 0) {
+  if (!aligned_for(a->unit_counter)) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: unit_counter is not 4-byte aligned", name);
   }
   return MOEFUSE_STATUS_OK;

@@ -53,8 +53,8 @@ moefuse_status check(const moefuse_down_scatter_args* a, const char* name) {
   if (a->offsets == nullptr || a->h == nullptr || a->w == nullptr || a->row_dst == nullptr) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
   }
-  if (!aligned16(a->h) || !aligned16(a->w) || (reinterpret_cast<uintptr_t>(a->offsets) & 3u) ||
-      (reinterpret_cast<uintptr_t>(a->row_dst) & 7u)) {
+  if (!aligned16(a->h) || !aligned16(a->w) || !aligned_for(a->offsets) ||
+      !aligned_for(a->row_dst)) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: h and w must be 16-byte aligned, offsets 4, row_dst 8", name);
   }
   return MOEFUSE_STATUS_OK;

@@ -132,7 +132,7 @@ moefuse_status check(const moefuse_gate_up_args* a, const char* name) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: null buffer", name);
   }
   if ((a->x != nullptr && !aligned16(a->x)) || !aligned16(a->w) || !aligned16(a->h) || (a->h_pre != nullptr && !aligned16(a->h_pre)) ||
-      (reinterpret_cast<uintptr_t>(a->offsets) & 3u) || (reinterpret_cast<uintptr_t>(a->source_of) & 3u)) {
+      !aligned_for(a->offsets) || !aligned_for(a->source_of)) {
     return fail(MOEFUSE_STATUS_MISALIGNED, "%s: x, w, h, h_pre must be 16-byte aligned, offsets and source_of 4",
                 name);
   }

@@ -150,7 +150,7 @@ pub(super) fn decode_forward_with(
             ),
             None => (None, None, None, None),
         };
-    let (mut bits, mut unit_counter) = errors.words.split_at_mut(2);
+    let (mut bits, mut unit_counter) = errors.split_for_decode();
     kernels.launch(
         stream,
         mk::DecodeForward {

@@ -2,7 +2,7 @@
 //! cannot trust (expert ids, `row_of`, the permutation's token count) is invalid.
 
 use crate::MoeError;
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut};
 use moefuse_kernels::ffi;
 use std::sync::Arc;
 
@@ -36,6 +36,8 @@ pub struct DeviceErrors {
 impl DeviceErrors {
     /// The `u32` words it holds (the layout above); the layer's memory plan counts them.
     pub(crate) const WORDS: usize = 3;
+    /// The index of the decode forward's unit counter among the words.
+    const UNIT_COUNTER: usize = 2;
 
     /// A cleared error word on `stream`'s device.
     ///
@@ -48,6 +50,12 @@ impl DeviceErrors {
         Ok(DeviceErrors {
             words: stream.alloc_zeros(Self::WORDS)?,
         })
+    }
+
+    /// The words the decode forward takes: the error bits and the permutation stamp
+    /// before [`Self::UNIT_COUNTER`], and the unit counter from it on.
+    pub(crate) fn split_for_decode(&mut self) -> (CudaViewMut<'_, u32>, CudaViewMut<'_, u32>) {
+        self.words.split_at_mut(Self::UNIT_COUNTER)
     }
 
     /// Reads and clears the error bits (synchronises the word's stream, so not under graph

@@ -39,6 +39,12 @@ constexpr int kWarp = 32;
 // Whether `p` is 16-byte aligned (the vector loads and stores of bf16 rows).
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Whether `p` is aligned for a T (a device word that kernels update atomically).
+template <typename T>
+inline bool aligned_for(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % alignof(T) == 0;
+}
+
 // Whether an activation and a gate/up layout are among abi.h's enumerators.
 inline bool known_activation(int activation, int layout) {
   return activation >= MOEFUSE_ACTIVATION_SWIGLU && activation <= MOEFUSE_ACTIVATION_RELU2 &&
