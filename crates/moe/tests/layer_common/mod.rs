@@ -6,8 +6,8 @@
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{
-    ActivationBackwardPath, DecodePath, DeviceWeights, GateUpPath, Mode, MoeLayer, MoePlan,
-    MoeWorkspace, Routing,
+    ActivationBackwardPath, DecodeKernels, DecodePath, DeviceWeights, GateUpPath, Mode, MoeLayer,
+    MoePlan, MoeWorkspace, Routing,
 };
 use moefuse::model::MoeWeights;
 use moefuse::reference::RoutingInput;
@@ -312,17 +312,28 @@ pub fn check_dots(
     Ok(worst)
 }
 
+/// The decode path with the pair `decode` names, or (`None`) the grouped-GEMM path.
+fn set_decode(layer: &mut MoeLayer, decode: Option<DecodeKernels>) {
+    match decode {
+        Some(kernels) => {
+            layer.set_decode_path(DecodePath::Always);
+            layer.set_decode_kernels(kernels);
+        }
+        None => layer.set_decode_path(DecodePath::Never),
+    }
+}
+
 /// One forward + backward of `case` on the GPU against the reference.
 ///
-/// With `decode`, the layer takes the decode path wherever it can run (`T <= 64`,
-/// [`DecodePath::Always`]), else the grouped-GEMM path at every `T`.
+/// With `decode`, the layer takes the decode path with that pair of kernels wherever it
+/// can run (`T <= 64`, [`DecodePath::Always`]), else the grouped-GEMM path at every `T`.
 /// `max_tokens`: the layer's plan (the forward's GEMMs take the band of the call's rows per
 /// expert, the backward's the plan's); `None` plans for the case's tokens plus 17.
 pub fn check_case(
     stream: &Arc<CudaStream>,
     case: &Case,
     seed: u64,
-    decode: bool,
+    decode: Option<DecodeKernels>,
     gate_up: GateUpPath,
     activation_backward: ActivationBackwardPath,
     max_tokens: Option<usize>,
@@ -347,11 +358,7 @@ pub fn check_case(
         weights: dw,
         ws,
     } = build(stream, cfg, max_tokens, &inp.w, Mode::Training)?;
-    layer.set_decode_path(if decode {
-        DecodePath::Always
-    } else {
-        DecodePath::Never
-    });
+    set_decode(&mut layer, decode);
     layer.set_gate_up_path(gate_up).map_err(e)?;
     layer
         .set_activation_backward_path(activation_backward)
@@ -462,7 +469,11 @@ pub fn check_case(
 /// Forward + backward captured once, replayed with new x, logits (so new routing), dy and
 /// weights written into the caller's buffers: equal to eager bit for bit; `decode` as for
 /// [`check_case`].
-pub fn graph_replay_case(ctx: &Arc<CudaContext>, case: &Case, decode: bool) -> Result<(), String> {
+pub fn graph_replay_case(
+    ctx: &Arc<CudaContext>,
+    case: &Case,
+    decode: Option<DecodeKernels>,
+) -> Result<(), String> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     // A fresh handle on the device's primary context that never creates a stream of its
     // own stays out of cudarc's multi-stream mode, so cudarc records no per-buffer events
@@ -478,11 +489,7 @@ pub fn graph_replay_case(ctx: &Arc<CudaContext>, case: &Case, decode: bool) -> R
         weights: mut dw,
         mut ws,
     } = build(&stream, case.cfg, t, &inp.w, Mode::Training)?;
-    layer.set_decode_path(if decode {
-        DecodePath::Always
-    } else {
-        DecodePath::Never
-    });
+    set_decode(&mut layer, decode);
     let mut x_d = stream.clone_htod(&to_bf(&inp.x)).map_err(e)?;
     let mut l_d = stream.clone_htod(&inp.logits).map_err(e)?;
     let mut dy_d = stream.clone_htod(&to_bf(&inp.dy)).map_err(e)?;
