@@ -35,6 +35,7 @@
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe/decode_mma.cuh"
 #include "moefuse/moe/decode_rows.hpp"
+#include "moefuse/moe/resident.hpp"
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
@@ -327,30 +328,19 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
 
 // ---- host -------------------------------------------------------------------------------
 
-// Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
-// device; the down kernel's dynamic shared memory limit is raised on the same first call.
-struct Grids {
-  int gate_up, down;
-};
-
-Grids resident_grids() {
+// Resident blocks per device of the two kernels; the down kernel's dynamic shared memory
+// limit is raised on the same first call.
+ResidentBlocks resident_grids() {
   static std::atomic<int> cache[64][2];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {132, 132};
-  int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
-  if (up > 0 && down > 0) return {up, down};
-  int sms = 0, up_per_sm = 0, down_per_sm = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       int(kPartFloats * sizeof(float)));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_kernel, kGateUpWarps * 32, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_kernel, kDownWarps * 32,
-                                                kPartFloats * sizeof(float));
-  up = max(1, sms) * max(1, up_per_sm);
-  down = max(1, sms) * max(1, down_per_sm);
-  cache[dev][0].store(up, std::memory_order_release);
-  cache[dev][1].store(down, std::memory_order_release);
-  return {up, down};
+  return resident_blocks(cache, {132, 132}, [] {
+    ResidentBlocks per{0, 0};
+    cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(kPartFloats * sizeof(float)));
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.gate_up, decode_gate_up_kernel, kGateUpWarps * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.down, decode_down_kernel, kDownWarps * 32,
+                                                  kPartFloats * sizeof(float));
+    return per;
+  });
 }
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
@@ -398,7 +388,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
        a->tokens * a->top_k <= MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS)) {
     return decode_rows_launch(*a, s, name);
   }
-  const Grids grids = resident_grids();
+  const ResidentBlocks grids = resident_grids();
   // At most min(experts, slots) experts are touched: no block beyond their units.
   const int slots = a->tokens * a->top_k;
   const int width = a->activation == MOEFUSE_ACTIVATION_RELU2 ? a->intermediate : 2 * a->intermediate;

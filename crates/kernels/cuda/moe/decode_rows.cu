@@ -25,6 +25,7 @@
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe/decode_mma.cuh"
 #include "moefuse/moe/decode_rows.hpp"
+#include "moefuse/moe/resident.hpp"
 #include "moefuse/moe_abi.h"
 
 namespace moefuse::moe {
@@ -330,27 +331,15 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefus
   }
 }
 
-// Resident blocks per device of the two kernels (SMs x blocks per SM), looked up once per
-// device.
-struct Resident {
-  int gate_up, down;
-};
-
-Resident resident() {
+// Resident blocks per device of the two kernels.
+ResidentBlocks resident() {
   static std::atomic<int> cache[64][2];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return {264, 264};
-  int up = cache[dev][0].load(std::memory_order_acquire), down = cache[dev][1].load(std::memory_order_acquire);
-  if (up > 0 && down > 0) return {up, down};
-  int sms = 0, up_per_sm = 0, down_per_sm = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&up_per_sm, decode_gate_up_rows_kernel, kWarps * 32, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&down_per_sm, decode_down_rows_kernel, kWarps * 32, 0);
-  up = max(1, sms) * max(1, up_per_sm);
-  down = max(1, sms) * max(1, down_per_sm);
-  cache[dev][0].store(up, std::memory_order_release);
-  cache[dev][1].store(down, std::memory_order_release);
-  return {up, down};
+  return resident_blocks(cache, {264, 264}, [] {
+    ResidentBlocks per{0, 0};
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.gate_up, decode_gate_up_rows_kernel, kWarps * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.down, decode_down_rows_kernel, kWarps * 32, 0);
+    return per;
+  });
 }
 
 }  // namespace
@@ -363,7 +352,7 @@ moefuse_status decode_rows_launch(const moefuse_decode_args& a, cudaStream_t str
   if (a.activation == MOEFUSE_ACTIVATION_RELU2 && a.intermediate % 2 != 0) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: RELU2 row pairs need an even intermediate", name);
   }
-  const Resident r = resident();
+  const ResidentBlocks r = resident();
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int slots = a.tokens * a.top_k;
   // At most min(experts, slots) experts are touched, each with groups of kGroupSlots.
