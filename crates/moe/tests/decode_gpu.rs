@@ -107,6 +107,33 @@ fn decode_cases() -> Vec<Case> {
             8,
             Route::Ours,
         ),
+        // The row-dot pair's other activations and the interleaved layout's row pairs.
+        c(
+            "geglu_interleaved_external_zero_experts_t3",
+            MoeConfig::new(128, 192, 8, 2)
+                .with_activation(Activation::GeGlu)
+                .with_gate_up_layout(GateUpLayout::Interleaved)
+                .with_router(RouterKind::External),
+            3,
+            Route::ExternalLowerHalf,
+        ),
+        c(
+            "swiglu_oai_interleaved_raw_softmax_t2",
+            MoeConfig::new(192, 128, 16, 4)
+                .with_activation(Activation::swiglu_oai())
+                .with_gate_up_layout(GateUpLayout::Interleaved)
+                .with_router(RouterKind::SoftmaxTopK { renormalize: false }),
+            2,
+            Route::Ours,
+        ),
+        c(
+            "bounded_swiglu_grouped_sigmoid_t4",
+            MoeConfig::new(192, 128, 16, 4)
+                .with_activation(Activation::BoundedSwiGlu { limit: 3.0 })
+                .with_router(grouped),
+            4,
+            Route::Ours,
+        ),
         c(
             "swiglu_all_on_one_expert_t3",
             MoeConfig::new(128, 256, 2, 1).with_router(RouterKind::External),
