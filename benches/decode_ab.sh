@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The decode forward's two kernel pairs side by side, on the GPU machine, from the repository
+# root, with a device pack unpacked at PACK (default /tmp/.device-pack):
+#
+#   benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]
+#
+# 1. the decode_gpu suite (every case on the tensor-core pair and, up to 64 slots, the
+#    row-dot pair);
+# 2. bench_moe with MOEFUSE_DECODE_KERNELS=row_dot, then tensor_core, model by model
+#    (Qwen3-30B-A3B, Mixtral-8x7B at T = 1, 2, 4, 8; DeepSeek-V3 at T = 1, 2, 4 when time is
+#    left), JSON lines in OUT_DIR/ab_<pair>.jsonl, and a side-by-side table in
+#    OUT_DIR/summary.txt;
+# 3. with time left, the decode table with the layer's own choice (DecodeKernels::Auto) at
+#    T = 1..128 beside torch_moe (benches/torch_moe.py) in OUT_DIR/moe.jsonl.
+# Each step runs only while BUDGET_SECONDS (default 500) last, so a device call's limit is
+# never hit mid-write. Logs: OUT_DIR/logs.tgz.
+set -u
+out=${1:?usage: benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]}
+budget=${2:-500}
+pack=${PACK:-/tmp/.device-pack}
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+logs=$(mktemp -d)
+summary=$out/summary.txt
+mkdir -p "$out"
+left() { echo $((budget - ($(date +%s) - t0))); }
+say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
+say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
+say "decode_gpu done"
+ab() { # MODELS TOKENS
+  local pair
+  for pair in row_dot tensor_core; do
+    mkdir -p "$logs/ab_$pair"
+    if [ "$(left)" -lt 40 ]; then say "skipped $1 $pair: out of time"; continue; fi
+    MOEFUSE_DECODE_KERNELS=$pair timeout $(($(left) - 10)) "$pack/run.sh" bench_moe --out "$logs/ab_$pair" \
+      --models "$1" --tokens "$2" --samples 15 >>"$logs/ab_$pair.log" 2>&1
+    say "bench_moe $1 T=$2 $pair: exit $?"
+  done
+}
+ab qwen3-30b-a3b 1,2,4,8
+ab mixtral-8x7b 1,2,4,8
+ab deepseek-v3 1,2,4
+python3 - "$logs" >>"$summary" <<'PY'
+import json, os, sys
+rows = {}
+for pair in ("row_dot", "tensor_core"):
+    path = os.path.join(sys.argv[1], f"ab_{pair}", "moe.jsonl")
+    if not os.path.exists(path):
+        continue
+    for line in open(path):
+        r = json.loads(line)
+        if r.get("backend") == "moefuse":
+            rows.setdefault(r["case"], {})[pair] = r
+cell = lambda r: "%.1f [%.1f] %.0f GB/s" % (r["median_us"], r.get("iqr_us") or 0, r.get("gbps") or 0) if r else "-"
+print("%-36s %28s %28s" % ("case", "row_dot us [IQR]", "tensor_core us [IQR]"))
+for case, v in rows.items():
+    print("%-36s %28s %28s" % (case, cell(v.get("row_dot")), cell(v.get("tensor_core"))))
+PY
+for pair in row_dot tensor_core; do cp "$logs/ab_$pair/moe.jsonl" "$out/ab_$pair.jsonl" 2>/dev/null; done
+tokens=1,2,4,8,16,32,64,128
+models=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
+if [ "$(left)" -gt 150 ]; then
+  mkdir -p "$logs/table"
+  timeout $(($(left) - 60)) "$pack/run.sh" bench_moe --models $models --tokens $tokens --samples 20 \
+    --out "$logs/table" >"$logs/table.log" 2>&1
+  say "decode table: exit $?"
+  timeout $(($(left) - 5)) python3 benches/torch_moe.py --models $models --tokens $tokens --passes fwd \
+    --samples 20 --out "$logs/table" >"$logs/torch.log" 2>&1
+  say "torch_moe: exit $?"
+  cp "$logs/table/moe.jsonl" "$out/moe.jsonl" 2>/dev/null
+fi
+cp "$logs/tests/tests.log" "$logs/" 2>/dev/null
+tar -czf "$out/logs.tgz" -C "$logs" .
+cat "$summary"
