@@ -4,8 +4,9 @@
 // weight rows on the CUDA cores instead of feeding 16-row tensor-core tiles.
 //
 // Both kernels build decode.cu's routing table (decode_mma.cuh) and cut each touched
-// expert's slots into groups of at most kGroupSlots. A warp takes every W-th unit (W = the
-// grid's warps; the units are of equal size, so fixed shares leave a tail of one unit):
+// expert's slots into groups of at most kGroupSlots. A warp takes every W-th unit, W the fewest
+// warps that give every one of them the same number of units (balanced_stride; the units
+// are of equal size, so fixed equal shares leave no tail beyond one unit's length):
 //   gate_up unit = (group, row pair of W_e): the gate and up rows of one feature, or two
 //                  features for RELU2; h, h_pre (and the expert-major copies) per slot
 //   down unit    = one column d of y: row d of every touched D_e against the slots' h rows,
@@ -69,6 +70,16 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// The warps that take units: as few as give each the same number, ceil(units / warps), so
+// the last round streams with as many loads in flight as the others (DeepSeek-V3's down:
+// 7168 columns over 2112 warps would leave 832 warps alone in a fourth round; 1792 warps
+// take four each). Warp g takes g, g + stride, ...; a warp at or past the stride none.
+__device__ __forceinline__ int balanced_stride(int units, int warps) {
+  if (units <= 0) return warps;
+  const int rounds = (units + warps - 1) / warps;
+  return (units + rounds - 1) / rounds;
 }
 
 struct RowsShared {
@@ -145,10 +156,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moe
   const int width = gated ? 2 * a.intermediate : a.intermediate;
   const int pairs = gated ? a.intermediate : a.intermediate / 2;
   const int units = gr.count * pairs, spans = (a.hidden + kSpan - 1) / kSpan;
-  const int lane = threadIdx.x & 31, stride = int(gridDim.x) * kWarps;
-  const int k_lane = lane * 8;
+  const int lane = threadIdx.x & 31, stride = balanced_stride(units, int(gridDim.x) * kWarps);
+  const int k_lane = lane * 8, gw = int(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   // The issuing side: unit `iu`, span `is`, its two rows.
-  int iu = int(blockIdx.x) * kWarps + (threadIdx.x >> 5), is = 0;
+  int iu = gw < stride ? gw : units, is = 0;
   const uint16_t *i_lo = nullptr, *i_hi = nullptr;
   auto rows_of = [&](int u) {
     const int gi = u / pairs, p = u - gi * pairs;
@@ -174,7 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moe
 #pragma unroll
   for (int r = 0; r < kRing; ++r) issue(r_lo[r], r_hi[r]);
   // The consuming side: unit `cu`, span `cs`, its slots' x rows and the lane's sums.
-  int cu = int(blockIdx.x) * kWarps + (threadIdx.x >> 5), cs = 0, n = 0;
+  int cu = gw < stride ? gw : units, cs = 0, n = 0;
   const int* slots = nullptr;
   const uint16_t* xr[kGroupSlots];
   float s_lo[kGroupSlots], s_hi[kGroupSlots];
@@ -206,10 +217,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moe
       }
       issue(r_lo[r], r_hi[r]);
       if (++cs == spans) {
+        // n is the same in every lane: the butterflies of empty slots are skipped whole.
 #pragma unroll
         for (int j = 0; j < kGroupSlots; ++j) {
-          s_lo[j] = warp_sum(s_lo[j]);
-          s_hi[j] = warp_sum(s_hi[j]);
+          if (j < n) {
+            s_lo[j] = warp_sum(s_lo[j]);
+            s_hi[j] = warp_sum(s_hi[j]);
+          }
         }
         gate_up_store(a, slots, n, cu % pairs, s_lo, s_hi);
         cs = 0;
@@ -232,12 +246,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefus
   const Groups& gr = sm.groups;
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, nullptr);
   sm.groups.build(sm.routing, kGroupSlots);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, stride = int(gridDim.x) * kWarps;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int k_lane = lane * 8, spans = (a.intermediate + kSpan - 1) / kSpan;
   const int units = a.hidden, groups = gr.count;
+  const int stride = balanced_stride(units, int(gridDim.x) * kWarps), gw = int(blockIdx.x) * kWarps + warp;
   // The issuing side: column `iu`, group `ig`, span `is`; weight rows do not depend on the
   // gate_up kernel, so the ring fills before the wait for h.
-  int iu = int(blockIdx.x) * kWarps + warp, ig = 0, is = 0;
+  int iu = gw < stride ? gw : units, ig = 0, is = 0;
   auto row_of = [&](int u, int g) {
     return a.w_down + (size_t(rt.expert[gr.touched[g]]) * a.hidden + u) * a.intermediate;
   };
@@ -259,7 +274,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefus
   for (int r = 0; r < kRing; ++r) issue(ring[r]);
   decode::wait_for_prerequisite();
   // The consuming side: column `cu`, group `cg`, span `cs`.
-  int cu = int(blockIdx.x) * kWarps + warp, cg = 0, cs = 0, n = 0;
+  int cu = gw < stride ? gw : units, cg = 0, cs = 0, n = 0;
   const int* slots = nullptr;
   float acc[kGroupSlots];
   auto start_group = [&](int g) {
@@ -291,7 +306,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefus
       cs = 0;
       // y_e of the group's slots, rounded to bf16 as the layer's other paths store it.
 #pragma unroll
-      for (int j = 0; j < kGroupSlots; ++j) acc[j] = warp_sum(acc[j]);
+      for (int j = 0; j < kGroupSlots; ++j) {
+        if (j < n) acc[j] = warp_sum(acc[j]);  // n: the same in every lane
+      }
 #pragma unroll
       for (int j = 0; j < kGroupSlots; ++j) {
         if (lane != j || j >= n) continue;
