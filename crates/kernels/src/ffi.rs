@@ -554,8 +554,9 @@ pub const MOEFUSE_DECODE_KERNELS_AUTO: i32 = 0;
 pub const MOEFUSE_DECODE_KERNELS_TENSOR_CORE: i32 = 1;
 /// `MOEFUSE_DECODE_KERNELS_ROW_DOT` (moe_abi.h).
 pub const MOEFUSE_DECODE_KERNELS_ROW_DOT: i32 = 2;
-/// `MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS` (moe_abi.h).
-pub const MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS: usize = 4;
+/// `MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS` (moe_abi.h): 0 until the row-dot pair has run on a
+/// GPU, so `Auto` is the tensor-core pair for now.
+pub const MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS: usize = 0;
 /// `MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (moe_abi.h).
 pub const MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS: usize = 64;
 

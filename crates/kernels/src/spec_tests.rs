@@ -92,3 +92,59 @@ fn ffi_mirror_carries_every_tile_order_and_grouped_kind() {
         assert!(v.instance_source().contains(kind.cpp()), "{}", v.name());
     }
 }
+
+/// The value of `#define NAME value` in a header (integers only).
+fn header_define(header: &str, name: &str) -> i64 {
+    let text = cuda_file(header);
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
+        .unwrap_or_else(|| panic!("{header} defines no {name}"));
+    let value = line.split_whitespace().nth(2).unwrap_or_default();
+    value
+        .parse()
+        .unwrap_or_else(|e| panic!("{header}: {name} = {value:?}: {e}"))
+}
+
+#[test]
+fn ffi_mirror_carries_the_decode_constants() {
+    let h = "include/moefuse/moe_abi.h";
+    let pairs: [(&str, i64); 7] = [
+        (
+            "MOEFUSE_DECODE_MAX_TOKENS",
+            ffi::MOEFUSE_DECODE_MAX_TOKENS as i64,
+        ),
+        (
+            "MOEFUSE_DECODE_MAX_SLOTS",
+            ffi::MOEFUSE_DECODE_MAX_SLOTS as i64,
+        ),
+        (
+            "MOEFUSE_DECODE_KERNELS_AUTO",
+            ffi::MOEFUSE_DECODE_KERNELS_AUTO as i64,
+        ),
+        (
+            "MOEFUSE_DECODE_KERNELS_TENSOR_CORE",
+            ffi::MOEFUSE_DECODE_KERNELS_TENSOR_CORE as i64,
+        ),
+        (
+            "MOEFUSE_DECODE_KERNELS_ROW_DOT",
+            ffi::MOEFUSE_DECODE_KERNELS_ROW_DOT as i64,
+        ),
+        (
+            "MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS",
+            ffi::MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS as i64,
+        ),
+        (
+            "MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS",
+            ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS as i64,
+        ),
+    ];
+    for (name, mirrored) in pairs {
+        assert_eq!(
+            header_define(h, name),
+            mirrored,
+            "{name}: moe_abi.h against ffi.rs"
+        );
+    }
+    assert!(ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS <= ffi::MOEFUSE_DECODE_MAX_SLOTS);
+}

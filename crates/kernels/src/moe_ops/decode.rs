@@ -23,8 +23,9 @@ pub const DECODE_DIM_MULTIPLE: usize = 32;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeKernels {
-    /// [`DecodeKernels::RowDot`] up to `ffi::MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS` tokens
-    /// (measured faster there, docs/perf-notes.md), [`DecodeKernels::TensorCore`] beyond.
+    /// [`DecodeKernels::RowDot`] up to `ffi::MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS` tokens,
+    /// [`DecodeKernels::TensorCore`] beyond. That count is 0 until the row-dot pair has
+    /// run on a GPU (docs/perf-notes.md, sessions 25-26), so today `Auto` is `TensorCore`.
     #[default]
     Auto,
     /// 16-row weight tiles streamed into `mma.sync` (any routing the limits allow).

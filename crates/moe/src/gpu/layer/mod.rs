@@ -524,7 +524,8 @@ impl MoeLayer {
     }
 
     /// Which pair of decode kernels the decode path runs ([`DecodeKernels::Auto`] by
-    /// default: the row-dot kernels for the fewest tokens, the tensor-core ones beyond).
+    /// default: the tensor-core kernels until the row-dot ones have been measured on a
+    /// GPU, then the row-dot kernels for the fewest tokens).
     ///
     /// ```no_run
     /// # use moefuse::{gpu::{DecodeKernels, Mode, MoeLayer, MoePlan}, MoeConfig};
