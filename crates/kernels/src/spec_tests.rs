@@ -146,5 +146,5 @@ fn ffi_mirror_carries_the_decode_constants() {
             "{name}: moe_abi.h against ffi.rs"
         );
     }
-    assert!(ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS <= ffi::MOEFUSE_DECODE_MAX_SLOTS);
+    const { assert!(ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS <= ffi::MOEFUSE_DECODE_MAX_SLOTS) };
 }
