@@ -6,10 +6,10 @@ use crate::{MoeError, MAX_EXPERTS, MAX_TOP_K};
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
-/// Outputs and scratch of [`permute`](super::permute), sized once for `max_tokens × top_k` rows.
+/// Outputs and scratch of [`permute`](fn@super::permute), sized once for `max_tokens × top_k` rows.
 ///
 /// The buffers are private, so their lengths are the ones [`PermuteBuffers::new`] chose;
-/// [`permute`](super::permute) still checks every length and device again on each call
+/// [`permute`](fn@super::permute) still checks every length and device again on each call
 /// (and the launch layer once more, with alignment). Read them through
 /// the accessors:
 ///

@@ -8,7 +8,7 @@
 //!    from `dh [rows, I]` and `h_pre`. [`Rows`] gives the row count on the host or in device
 //!    memory (the last prefix-sum offset), so no call synchronises with the host.
 //!
-//! 3. [`permute`] lays routed (token, slot) pairs out expert-major (offsets for the grouped
+//! 3. [`permute`](fn@permute) lays routed (token, slot) pairs out expert-major (offsets for the grouped
 //!    GEMM, `row_of`, `source_of`) and gathers `x` into those rows; [`combine`] sums expert
 //!    outputs back to tokens with the routing weights in fp32; [`combine_backward`] gives
 //!    the weighted upstream rows and `d_topk_weights`.

@@ -5,7 +5,7 @@
 //!   weights live in [`model`](crate::model), shared with the GPU layer).
 //! * [`permute`]: the expert-major [`Permutation`] of routed (token, slot) pairs.
 //! * [`activation`]: scalar and row forms of each [`Activation`](crate::Activation).
-//! * [`forward`] and [`backward`] / [`backward_into`] of the whole layer.
+//! * [`forward`] and [`backward`](fn@backward) / [`backward_into`] of the whole layer.
 //!
 //! ```
 //! use moefuse::{model::MoeWeights, reference::{backward, forward, RoutingInput}, MoeConfig};

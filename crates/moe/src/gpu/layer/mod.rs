@@ -15,7 +15,7 @@
 //! Forward stages (rows R = T·k, expert-major):
 //! 1. `route`: [`route`](super::route) from the caller's router logits `[T, E]` (fp32), or
 //!    the caller's `topk_ids`/`topk_weights`;
-//! 2. `permute+gather`: [`permute`](super::permute): per-expert offsets, `row_of`, and
+//! 2. `permute+gather`: [`permute`](fn@super::permute): per-expert offsets, `row_of`, and
 //!    `x_perm [R, D]` gathered from `x`;
 //! 3. `gate_up gemm`: `h_pre [R, W] = x_perm · gate_upᵀ` per expert;
 //! 4. `activation`: `h [R, I]`;
