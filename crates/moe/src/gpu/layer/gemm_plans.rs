@@ -1,7 +1,7 @@
 //! The grouped GEMM plans of a layer: the forward's per band of routed rows per expert, the
 //! backward's (Training) with the gather choices its variants allow.
 
-use super::{Mode, MoePlan};
+use super::plan::{Mode, MoePlan};
 use crate::{MoeConfig, MoeError};
 use moefuse_grouped_gemm::{BLayout, GroupedDesc, GroupedGemm, GroupedPlan};
 
