@@ -49,6 +49,7 @@ static_assert(offsetof(moefuse_decode_args, unit_counter) == 136, "moefuse_decod
 namespace moefuse::moe {
 namespace {
 
+using decode::bf16_bits;
 using decode::kChunk;
 using decode::kMaxGroupBlocks;
 using decode::Routing;
@@ -58,10 +59,6 @@ constexpr int kDownWarps = 16;
 // y_e partials of the down kernel: at most this many floats of dynamic shared memory
 // (80 KiB; one block per SM).
 constexpr int kPartFloats = 20480;
-
-__device__ __forceinline__ uint16_t bf16_bits(float v) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
 
 // ---- gate_up ----------------------------------------------------------------------------
 
@@ -132,32 +129,16 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
       if (col >= n) continue;
       const int s = slots[col];
       const float v_lo = c[half], v_hi = c[2 + half];
-      int row = -1;
-      if (a.row_of != nullptr) {
-        row = a.row_of[s];
-        if (row < 0 || row >= a.tokens * a.top_k) row = -1;
-      }
+      const int row = decode::expert_row(a, s);
       if (gated) {
-        const int f = tile * 8 + g;
         const Point p = eval(a.activation, a.alpha, a.limit, v_lo, v_hi);
-        const uint16_t h = bf16_bits(p.h);
-        a.h[size_t(s) * a.intermediate + f] = h;
-        if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + f] = h;
+        decode::store_h(a, s, row, tile * 8 + g, bf16_bits(p.h));
       } else {
         const int f = tile * 16 + g;
-        const uint16_t h_lo = bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h);
-        const uint16_t h_hi = bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h);
-        a.h[size_t(s) * a.intermediate + f] = h_lo;
-        a.h[size_t(s) * a.intermediate + f + 8] = h_hi;
-        if (row >= 0 && a.h_rows != nullptr) {
-          a.h_rows[size_t(row) * a.intermediate + f] = h_lo;
-          a.h_rows[size_t(row) * a.intermediate + f + 8] = h_hi;
-        }
+        decode::store_h(a, s, row, f, bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h));
+        decode::store_h(a, s, row, f + 8, bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h));
       }
-      if (row >= 0 && a.h_pre_rows != nullptr) {
-        a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
-        a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
-      }
+      decode::store_h_pre(a, row, width, lo, hi, v_lo, v_hi);
     }
   }
 }
@@ -283,7 +264,6 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   splits = max(1, min(splits, min(split_cap, chunks)));
   const int items = gr.count * splits, tiles = a.hidden / 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int slots_total = a.tokens * a.top_k;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int d0 = tile * 16;
     for (int item = warp; item < items; item += kDownWarps) {
@@ -306,9 +286,9 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
       for (int sp = 0; sp < splits; ++sp) v += part[size_t(sp) * valid * 16 + i];
       const __nv_bfloat16 b = __float2bfloat16_rn(v);
       part[i] = __bfloat162float(b);
-      if (a.row_of != nullptr && a.y_e_rows != nullptr) {
-        const int row = a.row_of[rt.slot[i >> 4]];
-        if (row >= 0 && row < slots_total) a.y_e_rows[size_t(row) * a.hidden + d0 + (i & 15)] = __bfloat16_as_ushort(b);
+      if (a.y_e_rows != nullptr) {
+        const int row = decode::expert_row(a, rt.slot[i >> 4]);
+        if (row >= 0) a.y_e_rows[size_t(row) * a.hidden + d0 + (i & 15)] = __bfloat16_as_ushort(b);
       }
     }
     __syncthreads();

@@ -32,6 +32,7 @@
 namespace moefuse::moe {
 namespace {
 
+using decode::bf16_bits;
 using decode::Groups;
 using decode::Routing;
 
@@ -43,10 +44,6 @@ constexpr int kRing = 8;
 constexpr int kGroupSlots = 4;
 // K elements one warp-wide load covers: 32 lanes x 8 bf16.
 constexpr int kSpan = 256;
-
-__device__ __forceinline__ uint16_t bf16_bits(float v) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
 
 // 16 bytes of a weight row at element k of `row` (zeros past `len`: the last span of a row
 // whose length is not a multiple of 256).
@@ -117,30 +114,15 @@ __device__ void gate_up_store(const moefuse_decode_args& a, const int* slots, in
     const int s = slots[j];
     int lo, hi;
     pair_rows(a, p, lo, hi);
-    int row = -1;
-    if (a.row_of != nullptr) {
-      row = a.row_of[s];
-      if (row < 0 || row >= a.tokens * a.top_k) row = -1;
-    }
+    const int row = decode::expert_row(a, s);
     const float v_lo = s_lo[j], v_hi = s_hi[j];
     if (gated) {
-      const uint16_t h = bf16_bits(eval(a.activation, a.alpha, a.limit, v_lo, v_hi).h);
-      a.h[size_t(s) * a.intermediate + p] = h;
-      if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + p] = h;
+      decode::store_h(a, s, row, p, bf16_bits(eval(a.activation, a.alpha, a.limit, v_lo, v_hi).h));
     } else {
-      const uint16_t h_lo = bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h);
-      const uint16_t h_hi = bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h);
-      a.h[size_t(s) * a.intermediate + lo] = h_lo;
-      a.h[size_t(s) * a.intermediate + hi] = h_hi;
-      if (row >= 0 && a.h_rows != nullptr) {
-        a.h_rows[size_t(row) * a.intermediate + lo] = h_lo;
-        a.h_rows[size_t(row) * a.intermediate + hi] = h_hi;
-      }
+      decode::store_h(a, s, row, lo, bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h));
+      decode::store_h(a, s, row, hi, bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h));
     }
-    if (row >= 0 && a.h_pre_rows != nullptr) {
-      a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
-      a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
-    }
+    decode::store_h_pre(a, row, width, lo, hi, v_lo, v_hi);
   }
 }
 
@@ -286,7 +268,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefus
   };
   if (groups == 0) cu = units;  // nothing routed: y is written below as zeros
   if (cu < units) start_group(0);
-  const int slots_total = a.tokens * a.top_k;
   while (cu < units) {
 #pragma unroll
     for (int r = 0; r < kRing; ++r) {
@@ -315,9 +296,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefus
         const int s = slots[j];
         const __nv_bfloat16 b = __float2bfloat16_rn(acc[j]);
         y_e[warp][rt.position[s]] = __bfloat162float(b);
-        if (a.row_of != nullptr && a.y_e_rows != nullptr) {
-          const int row = a.row_of[s];
-          if (row >= 0 && row < slots_total) a.y_e_rows[size_t(row) * a.hidden + cu] = __bfloat16_as_ushort(b);
+        if (a.y_e_rows != nullptr) {
+          const int row = decode::expert_row(a, s);
+          if (row >= 0) a.y_e_rows[size_t(row) * a.hidden + cu] = __bfloat16_as_ushort(b);
         }
       }
       if (++cg < groups) {

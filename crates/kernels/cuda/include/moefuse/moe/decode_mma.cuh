@@ -1,7 +1,9 @@
-// Building blocks of the decode forward (moe/decode.cu): the per-block routing table and the
-// register-direct MMA loop that streams 16 weight rows against up to 64 routed rows.
+// Building blocks of the decode forward (moe/decode.cu, moe/decode_rows.cu): the per-block
+// routing table, a slot's output stores, and the register-direct MMA loop that streams 16
+// weight rows against up to 64 routed rows.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -135,6 +137,34 @@ struct Groups {
     __syncthreads();
   }
 };
+
+// ---- a slot's outputs (both decode pairs: decode.cu, decode_rows.cu) --------------------
+
+__device__ __forceinline__ uint16_t bf16_bits(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// Slot s's expert-major row (row_of, for the copies a backward reads), or -1: no row_of, or
+// a row outside 0..tokens * top_k.
+__device__ __forceinline__ int expert_row(const moefuse_decode_args& a, int s) {
+  if (a.row_of == nullptr) return -1;
+  const int row = a.row_of[s];
+  return row >= 0 && row < a.tokens * a.top_k ? row : -1;
+}
+
+// Slot s's activation output at column f: into h, and into h_rows at its expert-major row.
+__device__ __forceinline__ void store_h(const moefuse_decode_args& a, int s, int row, int f, uint16_t v) {
+  a.h[size_t(s) * a.intermediate + f] = v;
+  if (row >= 0 && a.h_rows != nullptr) a.h_rows[size_t(row) * a.intermediate + f] = v;
+}
+
+// A slot's pre-activation values at columns lo and hi of its h_pre_rows row (`width` wide).
+__device__ __forceinline__ void store_h_pre(const moefuse_decode_args& a, int row, int width, int lo, int hi,
+                                            float v_lo, float v_hi) {
+  if (row < 0 || a.h_pre_rows == nullptr) return;
+  a.h_pre_rows[size_t(row) * width + lo] = bf16_bits(v_lo);
+  a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
+}
 
 // Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
 // first lets the next kernel on the stream start early, the second waits until this
