@@ -558,7 +558,7 @@ pub const MOEFUSE_DECODE_KERNELS_ROW_DOT: i32 = 2;
 /// GPU, so `Auto` is the tensor-core pair for now.
 pub const MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS: usize = 0;
 /// `MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (moe_abi.h).
-pub const MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS: usize = 64;
+pub const MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS: usize = 512;
 
 /// `moefuse_scatter_columns_args` (moe_abi.h): one value per row into a zeroed bf16 row.
 #[repr(C)]

@@ -7,7 +7,7 @@
 //! replay with new routing equal to eager; ids outside `0..E` dropped and flagged; bad
 //! input refused before any launch; the gate_up's units from a shared counter equal bit for
 //! bit to fixed shares, the counter zero again after each call. Both pairs of kernels (the
-//! tensor-core pair, and the row-dot pair wherever it can run: up to 64 slots, an expert
+//! tensor-core pair, and the row-dot pair wherever it can run: up to 512 slots, an expert
 //! with more slots than one group in several groups). Outputs are poisoned before each run; relative error
 //! < 2e-2 (bf16 storage).
 
@@ -144,7 +144,7 @@ fn decode_cases() -> Vec<Case> {
 }
 
 /// The pairs of decode kernels that can run `case`: the tensor-core pair always, the
-/// row-dot pair up to 64 slots.
+/// row-dot pair up to `MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (512) slots.
 fn kernel_pairs(case: &Case) -> Vec<DecodeKernels> {
     let mut pairs = vec![DecodeKernels::TensorCore];
     if case.tokens * case.cfg.top_k <= ROW_DOT_MAX_SLOTS {
@@ -191,12 +191,12 @@ fn decode_graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
     Ok(())
 }
 
-/// The row-dot kernels asked for more than 64 slots: a typed error before any launch (the
+/// The row-dot kernels asked for more than 512 slots: a typed error before any launch (the
 /// poisoned output stays untouched); the same forward on the tensor-core pair runs.
 fn decode_row_dot_refuses_too_many_slots(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
     let stream = ctx.new_stream().map_err(e)?;
-    let (t, cfg) = (17, MoeConfig::new(128, 64, 8, 4)); // 68 slots
+    let (t, cfg) = (33, MoeConfig::new(128, 64, 32, 16)); // 528 slots
     let plan = MoePlan::new(cfg, t).map_err(e)?;
     let mut layer = MoeLayer::new(&stream, &plan, Mode::Inference).map_err(e)?;
     let mut ws = MoeWorkspace::new(&stream, plan.workspace_bytes(Mode::Inference)).map_err(e)?;
@@ -213,8 +213,10 @@ fn decode_row_dot_refuses_too_many_slots(ctx: &Arc<CudaContext>) -> Result<(), S
     let w = Weights::new(gate_up.slice(..), down.slice(..));
     layer.set_decode_kernels(DecodeKernels::RowDot);
     match layer.forward(&w, &x, t, Routing::Logits(&logits), &mut y, &mut ws) {
-        Err(MoeError::Kernel(k)) if k.to_string().contains("64 slots") => {}
-        other => return Err(format!("row-dot at 68 slots: {other:?}")),
+        Err(MoeError::Kernel(k))
+            if k.to_string()
+                .contains(&format!("at most {ROW_DOT_MAX_SLOTS} slots")) => {}
+        other => return Err(format!("row-dot at 528 slots: {other:?}")),
     }
     if bits(&stream.clone_dtoh(&y).map_err(e)?)
         .iter()

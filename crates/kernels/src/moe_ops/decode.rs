@@ -31,7 +31,7 @@ pub enum DecodeKernels {
     /// 16-row weight tiles streamed into `mma.sync` (any routing the limits allow).
     TensorCore,
     /// Whole weight rows streamed per warp into CUDA-core dot products, for at most
-    /// `ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (64) slots.
+    /// `ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (512) slots.
     RowDot,
 }
 
@@ -115,7 +115,7 @@ pub struct DecodeForward<'a> {
     /// take more, and the down kernel zeroes it again; or `None`: fixed shares. The same
     /// sums in the same order either way, so the same bits.
     pub unit_counter: Option<&'a mut dyn DevicePtrMut<u32>>,
-    /// Which pair of kernels runs; [`DecodeKernels::RowDot`] with more than 64 slots is
+    /// Which pair of kernels runs; [`DecodeKernels::RowDot`] with more than 512 slots is
     /// [`KernelError::Inconsistent`].
     pub kernels: DecodeKernels,
 }
@@ -163,7 +163,7 @@ impl<'a> DecodeForward<'a> {
         if self.kernels == DecodeKernels::RowDot && tk > ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS {
             return Err(KernelError::Inconsistent {
                 kernel: kernel.clone(),
-                why: "the row-dot decode kernels take at most 64 slots (tokens * top_k)",
+                why: "the row-dot decode kernels take at most 512 slots (tokens * top_k, MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS)",
             });
         }
         let width = if self.kind.is_gated() { 2 * i } else { i };

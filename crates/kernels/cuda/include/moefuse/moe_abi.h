@@ -310,7 +310,7 @@ moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* arg
 #define MOEFUSE_DECODE_KERNELS_TENSOR_CORE 1
 #define MOEFUSE_DECODE_KERNELS_ROW_DOT 2
 #define MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS 0
-#define MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS 64
+#define MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS 512
 typedef struct moefuse_decode_args {
   int32_t tokens;
   int32_t top_k;

@@ -389,7 +389,7 @@ impl MoeLayer {
     }
 
     /// Sets which pair of decode kernels the decode path runs; see
-    /// [`MoeLayer::decode_kernels`]. [`DecodeKernels::RowDot`] takes at most 64 slots
+    /// [`MoeLayer::decode_kernels`]. [`DecodeKernels::RowDot`] takes at most 512 slots
     /// (`T · top_k`): a forward beyond is an error before any launch.
     ///
     /// ```no_run
