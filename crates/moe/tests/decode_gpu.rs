@@ -103,7 +103,7 @@ fn decode_cases() -> Vec<Case> {
         // Every expert gets 8 slots: two groups of 4 for the row-dot kernels.
         c(
             "swiglu_every_expert_twice_over_t8",
-            MoeConfig::new(128, 96, 8, 8),
+            MoeConfig::new(128, 192, 8, 8),
             8,
             Route::Ours,
         ),
@@ -194,7 +194,7 @@ fn decode_graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// The row-dot kernels asked for more than 512 slots: a typed error before any launch (the
 /// poisoned output stays untouched); the same forward on the tensor-core pair runs.
 fn decode_row_dot_refuses_too_many_slots(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    use moefuse::gpu::{Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
+    use moefuse::gpu::{DecodePath, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
     let stream = ctx.new_stream().map_err(e)?;
     let (t, cfg) = (33, MoeConfig::new(128, 64, 32, 16)); // 528 slots
     let plan = MoePlan::new(cfg, t).map_err(e)?;
@@ -211,6 +211,8 @@ fn decode_row_dot_refuses_too_many_slots(ctx: &Arc<CudaContext>) -> Result<(), S
     let logits = stream.clone_htod(&logits).map_err(e)?;
     let mut y = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
     let w = Weights::new(gate_up.slice(..), down.slice(..));
+    // Forced onto the decode path (Auto takes the grouped GEMMs at 16.5 rows per expert).
+    layer.set_decode_path(DecodePath::Always);
     layer.set_decode_kernels(DecodeKernels::RowDot);
     match layer.forward(&w, &x, t, Routing::Logits(&logits), &mut y, &mut ws) {
         Err(MoeError::Kernel(k))

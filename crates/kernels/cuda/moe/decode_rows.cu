@@ -66,11 +66,60 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& v) {
   return s;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// dot8 of two weight vectors with the same v, each element of v widened once.
+__device__ __forceinline__ void dot8x2(const uint4& w0, const uint4& w1, const uint4& v, float& s0, float& s1) {
+  const uint32_t a[4] = {w0.x, w0.y, w0.z, w0.w}, b[4] = {w1.x, w1.y, w1.z, w1.w}, vs[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  for (int i = 0; i < 4; ++i) {
+    const float v_even = __uint_as_float(vs[i] << 16), v_odd = __uint_as_float(vs[i] & 0xffff0000u);
+    s0 = fmaf(__uint_as_float(a[i] << 16), v_even, s0);
+    s1 = fmaf(__uint_as_float(b[i] << 16), v_even, s1);
+    s0 = fmaf(__uint_as_float(a[i] & 0xffff0000u), v_odd, s0);
+    s1 = fmaf(__uint_as_float(b[i] & 0xffff0000u), v_odd, s1);
+  }
 }
+
+// The warp's sums of v[0..N) (N a power of two, 2..32), lane i * 32 / N holding v[i]'s:
+// each halving step sends half of the values to the partner lane and keeps the other half
+// (log2 N steps, N - 1 shuffles), then butterflies over the lanes that share a value.
+// Fixed order: deterministic. NOTES: unconditional shuffles on purpose: the compiler
+// wraps each shuffle under a data-dependent branch in a WARPSYNC collective sequence.
+template <int N>
+__device__ __forceinline__ float sum_to_lanes(float (&v)[N], int lane) {
+  static_assert(N >= 2 && N <= 32 && (N & (N - 1)) == 0, "N: a power of two, 2..32");
+#pragma unroll
+  for (int h = N / 2, off = 16; h >= 1; h /= 2, off /= 2) {
+    const bool upper = (lane & off) != 0;
+#pragma unroll
+    for (int i = 0; i < h; ++i) {
+      const float send = upper ? v[i] : v[i + h], keep = upper ? v[i + h] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+#pragma unroll
+  for (int off = 16 / N; off >= 1; off /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
+  return v[0];
+}
+
+// Unit u's coordinates (major, minor) over `minors`, advanced by a fixed stride without a
+// division per step: u = major * minors + minor.
+struct UnitCursor {
+  int major, minor, step_major, step_minor, minors;
+  __device__ UnitCursor(int u, int stride, int minors_) : minors(minors_) {
+    major = u / minors;
+    minor = u - major * minors;
+    step_major = stride / minors;
+    step_minor = stride - step_major * minors;
+  }
+  __device__ __forceinline__ void advance() {
+    major += step_major;
+    minor += step_minor;
+    if (minor >= minors) {
+      minor -= minors;
+      ++major;
+    }
+  }
+};
 
 // The warps that take units: as few as give each the same number, ceil(units / warps), so
 // the last round streams with as many loads in flight as the others (DeepSeek-V3's down:
@@ -104,32 +153,27 @@ __device__ __forceinline__ void pair_rows(const moefuse_decode_args& a, int p, i
   }
 }
 
-// One unit's sums are complete (every lane holds them): h, h_pre and the expert-major
-// copies of its slots, lane j writing slot j.
-__device__ void gate_up_store(const moefuse_decode_args& a, const int* slots, int n, int p, const float (&s_lo)[kGroupSlots],
-                              const float (&s_hi)[kGroupSlots]) {
-  const int lane = threadIdx.x & 31;
+// One slot's sums of a finished unit (row pair p): h, h_pre and the expert-major copies.
+// NOTES: not inlined, and called once per unit end by the lane that holds the slot: inlined
+// into the unrolled ring, the activation's switch was repeated per ring position and per
+// slot (19.5 k instructions), and ncu put 41 % of the warps' stall samples on instruction
+// fetch (H100, Qwen3 T = 1, 2026-12-07).
+__device__ __noinline__ void gate_up_store(const moefuse_decode_args& a, int s, int p, float v_lo, float v_hi) {
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
-#pragma unroll
-  for (int j = 0; j < kGroupSlots; ++j) {
-    if (lane != j || j >= n) continue;
-    const int s = slots[j];
-    int lo, hi;
-    pair_rows(a, p, lo, hi);
-    const int row = decode::expert_row(a, s);
-    const float v_lo = s_lo[j], v_hi = s_hi[j];
-    if (gated) {
-      decode::store_h(a, s, row, p, bf16_bits(eval(a.activation, a.alpha, a.limit, v_lo, v_hi).h));
-    } else {
-      decode::store_h(a, s, row, lo, bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h));
-      decode::store_h(a, s, row, hi, bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h));
-    }
-    decode::store_h_pre(a, row, width, lo, hi, v_lo, v_hi);
+  int lo, hi;
+  pair_rows(a, p, lo, hi);
+  const int row = decode::expert_row(a, s);
+  if (gated) {
+    decode::store_h(a, s, row, p, bf16_bits(eval(a.activation, a.alpha, a.limit, v_lo, v_hi).h));
+  } else {
+    decode::store_h(a, s, row, lo, bf16_bits(eval(a.activation, 0.f, 0.f, v_lo, 0.f).h));
+    decode::store_h(a, s, row, hi, bf16_bits(eval(a.activation, 0.f, 0.f, v_hi, 0.f).h));
   }
+  decode::store_h_pre(a, row, width, lo, hi, v_lo, v_hi);
 }
 
-__global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moefuse_decode_args a) {
+__global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(const __grid_constant__ moefuse_decode_args a) {
   __shared__ RowsShared sm;
   decode::wait_for_prerequisite();
   decode::allow_dependent_launch();
@@ -143,18 +187,18 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moe
   const int units = gr.count * pairs, spans = (a.hidden + kSpan - 1) / kSpan;
   const int lane = threadIdx.x & 31, stride = balanced_stride(units, int(gridDim.x) * kWarps);
   const int k_lane = lane * 8, gw = int(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  // The issuing side: unit `iu`, span `is`, its two rows.
+  // The issuing side: unit `iu` = (pair ip.major, group ip.minor), span `is`, its two rows.
   int iu = gw < stride ? gw : units, is = 0;
+  UnitCursor ip(iu, stride, max(gr.count, 1));
   const uint16_t *i_lo = nullptr, *i_hi = nullptr;
-  auto rows_of = [&](int u) {
-    const int p = u / gr.count, gi = u - p * gr.count;
+  auto rows_of = [&]() {
     int lo, hi;
-    pair_rows(a, p, lo, hi);
-    const uint16_t* w = a.w_gate_up + size_t(rt.expert[gr.touched[gi]]) * width * a.hidden;
+    pair_rows(a, ip.major, lo, hi);
+    const uint16_t* w = a.w_gate_up + size_t(rt.expert[gr.touched[ip.minor]]) * width * a.hidden;
     i_lo = w + size_t(lo) * a.hidden;
     i_hi = w + size_t(hi) * a.hidden;
   };
-  if (iu < units) rows_of(iu);
+  if (iu < units) rows_of();
   uint4 r_lo[kRing], r_hi[kRing];
   auto issue = [&](uint4& lo, uint4& hi) {
     if (iu >= units) return;
@@ -164,27 +208,29 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moe
     if (++is == spans) {
       is = 0;
       iu += stride;
-      if (iu < units) rows_of(iu);
+      ip.advance();
+      if (iu < units) rows_of();
     }
   };
 #pragma unroll
   for (int r = 0; r < kRing; ++r) issue(r_lo[r], r_hi[r]);
-  // The consuming side: unit `cu`, span `cs`, its slots' x rows and the lane's sums.
+  // The consuming side: unit `cu` (cp as ip), span `cs`, its slots' x rows and the lane's
+  // sums (s[j] gate or first row of slot j, s[kGroupSlots + j] up or second).
   int cu = gw < stride ? gw : units, cs = 0, n = 0;
+  UnitCursor cp(cu, stride, max(gr.count, 1));
   const int* slots = nullptr;
   const uint16_t* xr[kGroupSlots];
-  float s_lo[kGroupSlots], s_hi[kGroupSlots];
-  auto start = [&](int u) {
-    const int gi = u % gr.count, ti = gr.touched[gi], first = rt.start[ti] + gr.base[gi];
+  float sum[2 * kGroupSlots];
+  auto start = [&]() {
+    const int gi = cp.minor, ti = gr.touched[gi], first = rt.start[ti] + gr.base[gi];
     n = min(rt.start[ti + 1] - first, kGroupSlots);
     slots = rt.slot + first;
 #pragma unroll
-    for (int j = 0; j < kGroupSlots; ++j) {
-      xr[j] = a.x + size_t(slots[j < n ? j : 0] / a.top_k) * a.hidden;
-      s_lo[j] = s_hi[j] = 0.f;
-    }
+    for (int j = 0; j < kGroupSlots; ++j) xr[j] = a.x + size_t(slots[j < n ? j : 0] / a.top_k) * a.hidden;
+#pragma unroll
+    for (int j = 0; j < 2 * kGroupSlots; ++j) sum[j] = 0.f;
   };
-  if (cu < units) start(cu);
+  if (cu < units) start();
   while (cu < units) {
 #pragma unroll
     for (int r = 0; r < kRing; ++r) {
@@ -195,25 +241,21 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moe
         for (int j = 0; j < kGroupSlots; ++j) {
           if (j < n) {
             const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[j] + k));
-            s_lo[j] += dot8(r_lo[r], xv);
-            s_hi[j] += dot8(r_hi[r], xv);
+            dot8x2(r_lo[r], r_hi[r], xv, sum[j], sum[kGroupSlots + j]);
           }
         }
       }
       issue(r_lo[r], r_hi[r]);
       if (++cs == spans) {
-        // n is the same in every lane: the butterflies of empty slots are skipped whole.
-#pragma unroll
-        for (int j = 0; j < kGroupSlots; ++j) {
-          if (j < n) {
-            s_lo[j] = warp_sum(s_lo[j]);
-            s_hi[j] = warp_sum(s_hi[j]);
-          }
-        }
-        gate_up_store(a, slots, n, cu / gr.count, s_lo, s_hi);
+        // Lane i * 32 / 8 = 4i holds sum[i]: slot j's pair is at lanes 4j and 4(j + 4).
+        const float total = sum_to_lanes(sum, lane);
+        const float v_lo = __shfl_sync(0xffffffffu, total, 4 * lane);
+        const float v_hi = __shfl_sync(0xffffffffu, total, 4 * (lane + kGroupSlots));
+        if (lane < n) gate_up_store(a, slots[lane], cp.major, v_lo, v_hi);
         cs = 0;
         cu += stride;
-        if (cu < units) start(cu);
+        cp.advance();
+        if (cu < units) start();
       }
     }
   }
@@ -224,7 +266,31 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_gate_up_rows_kernel(moe
 // Slots the down kernel keeps y_e of, per warp (MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS).
 constexpr int kDownSlots = MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS;
 
-__global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefuse_decode_args a) {
+// Slot s's y_e at column d, rounded to bf16 as the layer's other paths store it: into the
+// warp's y_e (at the slot's position) and its expert-major row. Not inlined, as gate_up_store.
+__device__ __noinline__ void down_store(const moefuse_decode_args& a, const Routing& rt, float* y_e, int s, int d,
+                                        float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  y_e[rt.position[s]] = __bfloat162float(b);
+  if (a.y_e_rows != nullptr) {
+    const int row = decode::expert_row(a, s);
+    if (row >= 0) a.y_e_rows[size_t(row) * a.hidden + d] = __bfloat16_as_ushort(b);
+  }
+}
+
+// y[t, d] = sum over the token's slots in order of w * y_e (fp32), the warp's lanes over t.
+__device__ __noinline__ void combine_column(const moefuse_decode_args& a, const Routing& rt, const float* y_e, int d) {
+  for (int t = threadIdx.x & 31; t < a.tokens; t += 32) {
+    float v = 0.f;
+    for (int j = 0; j < a.top_k; ++j) {
+      const int s = t * a.top_k + j, p = rt.position[s];
+      if (p >= 0) v += a.topk_weights[s] * y_e[p];
+    }
+    a.y[size_t(t) * a.hidden + d] = bf16_bits(v);
+  }
+}
+
+__global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(const __grid_constant__ moefuse_decode_args a) {
   __shared__ RowsShared sm;
   __shared__ float y_e[kWarps][kDownSlots];
   const Routing& rt = sm.routing;
@@ -288,36 +354,16 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_down_rows_kernel(moefus
       issue(ring[r]);
       if (++cs < spans) continue;
       cs = 0;
-      // y_e of the group's slots, rounded to bf16 as the layer's other paths store it.
-#pragma unroll
-      for (int j = 0; j < kGroupSlots; ++j) {
-        if (j < n) acc[j] = warp_sum(acc[j]);  // n: the same in every lane
-      }
-#pragma unroll
-      for (int j = 0; j < kGroupSlots; ++j) {
-        if (lane != j || j >= n) continue;
-        const int s = slots[j];
-        const __nv_bfloat16 b = __float2bfloat16_rn(acc[j]);
-        y_e[warp][rt.position[s]] = __bfloat162float(b);
-        if (a.y_e_rows != nullptr) {
-          const int row = decode::expert_row(a, s);
-          if (row >= 0) a.y_e_rows[size_t(row) * a.hidden + cu] = __bfloat16_as_ushort(b);
-        }
-      }
+      // y_e of the group's slots: lane 8j holds slot j's, passed to lane j.
+      const float total = sum_to_lanes(acc, lane);
+      const float v = __shfl_sync(0xffffffffu, total, 8 * lane);
+      if (lane < n) down_store(a, rt, y_e[warp], slots[lane], cu, v);
       if (++cg < groups) {
         start_group(cg);
         continue;
       }
       __syncwarp();
-      // y[t, cu] = sum over the token's slots in order of w * y_e (fp32).
-      for (int t = lane; t < a.tokens; t += 32) {
-        float v = 0.f;
-        for (int j = 0; j < a.top_k; ++j) {
-          const int s = t * a.top_k + j, p = rt.position[s];
-          if (p >= 0) v += a.topk_weights[s] * y_e[warp][p];
-        }
-        a.y[size_t(t) * a.hidden + cu] = bf16_bits(v);
-      }
+      combine_column(a, rt, y_e[warp], cu);
       __syncwarp();
       cg = 0;
       cu += stride;
