@@ -6,9 +6,11 @@
 #
 # 1. the decode_gpu suite (every case on the tensor-core pair and, up to 512 slots, the
 #    row-dot pair);
-# 2. bench_moe with MOEFUSE_DECODE_KERNELS=row_dot, then tensor_core, model by model
+# 2. bench_moe with MOEFUSE_DECODE_KERNELS=row_dot, then tensor_core, then tensor_core with
+#    MOEFUSE_DECODE_PREFETCH=0 (the gate_up's next-unit L2 prefetch off; Qwen3 only, the
+#    one model whose units are small enough to prefetch), model by model
 #    (Qwen3-30B-A3B at T = 1..16, Mixtral-8x7B at T = 1..8, DeepSeek-V3 at T = 1..4 when
-#    time is left; the row-dot pair lost at every T up to 64 on 2026-12-07), JSON lines in OUT_DIR/ab_<pair>.jsonl, and a side-by-side table in
+#    time is left; the row-dot pair lost at every T up to 64 on 2026-12-07), JSON lines in OUT_DIR/ab_<arm>.jsonl, and a side-by-side table in
 #    OUT_DIR/summary.txt;
 # 3. with time left, the decode table with the layer's own choice (DecodeKernels::Auto) at
 #    T = 1..128 beside torch_moe (benches/torch_moe.py) in OUT_DIR/moe.jsonl.
@@ -28,36 +30,38 @@ say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
 say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
 OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
 say "decode_gpu done"
-ab() { # MODELS TOKENS
-  local pair
-  for pair in row_dot tensor_core; do
-    mkdir -p "$logs/ab_$pair"
-    if [ "$(left)" -lt 40 ]; then say "skipped $1 $pair: out of time"; continue; fi
-    MOEFUSE_DECODE_KERNELS=$pair timeout $(($(left) - 10)) "$pack/run.sh" bench_moe --out "$logs/ab_$pair" \
-      --models "$1" --tokens "$2" --samples 15 >>"$logs/ab_$pair.log" 2>&1
-    say "bench_moe $1 T=$2 $pair: exit $?"
+arms="row_dot tensor_core tensor_core_no_prefetch"
+ab() { # MODELS TOKENS [ARMS]
+  local arm pair prefetch
+  for arm in ${3:-row_dot tensor_core}; do
+    pair=${arm%_no_prefetch}; prefetch=1; [ "$pair" != "$arm" ] && prefetch=0
+    mkdir -p "$logs/ab_$arm"
+    if [ "$(left)" -lt 40 ]; then say "skipped $1 $arm: out of time"; continue; fi
+    MOEFUSE_DECODE_KERNELS=$pair MOEFUSE_DECODE_PREFETCH=$prefetch timeout $(($(left) - 10)) "$pack/run.sh" bench_moe \
+      --out "$logs/ab_$arm" --models "$1" --tokens "$2" --samples 15 >>"$logs/ab_$arm.log" 2>&1
+    say "bench_moe $1 T=$2 $arm: exit $?"
   done
 }
-ab qwen3-30b-a3b 1,2,4,8,16
+ab qwen3-30b-a3b 1,2,4,8,16 "$arms"
 ab mixtral-8x7b 1,2,4,8
 ab deepseek-v3 1,2,4
-python3 - "$logs" >>"$summary" <<'PY'
+python3 - "$logs" $arms >>"$summary" <<'PY'
 import json, os, sys
-rows = {}
-for pair in ("row_dot", "tensor_core"):
-    path = os.path.join(sys.argv[1], f"ab_{pair}", "moe.jsonl")
+rows, arms = {}, sys.argv[2:]
+for arm in arms:
+    path = os.path.join(sys.argv[1], f"ab_{arm}", "moe.jsonl")
     if not os.path.exists(path):
         continue
     for line in open(path):
         r = json.loads(line)
         if r.get("backend") == "moefuse":
-            rows.setdefault(r["case"], {})[pair] = r
+            rows.setdefault(r["case"], {})[arm] = r
 cell = lambda r: "%.1f [%.1f] %.0f GB/s" % (r["median_us"], r.get("iqr_us") or 0, r.get("gbps") or 0) if r else "-"
-print("%-36s %28s %28s" % ("case", "row_dot us [IQR]", "tensor_core us [IQR]"))
+print(("%-36s" + " %28s" * len(arms)) % ("case", *arms))
 for case, v in rows.items():
-    print("%-36s %28s %28s" % (case, cell(v.get("row_dot")), cell(v.get("tensor_core"))))
+    print(("%-36s" + " %28s" * len(arms)) % (case, *(cell(v.get(a)) for a in arms)))
 PY
-for pair in row_dot tensor_core; do cp "$logs/ab_$pair/moe.jsonl" "$out/ab_$pair.jsonl" 2>/dev/null; done
+for arm in $arms; do cp "$logs/ab_$arm/moe.jsonl" "$out/ab_$arm.jsonl" 2>/dev/null; done
 tokens=1,2,4,8,16,32,64,128
 models=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
 if [ "$(left)" -gt 150 ]; then

@@ -30,6 +30,8 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
@@ -143,12 +145,37 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
   }
 }
 
+// Units of at most this many bytes (16 rows of W_e) are prefetched one ahead: 264 blocks x
+// 64 KB = 17 MB of L2. Larger rows (Mixtral, DeepSeek-V3) stream at 3.0-3.2 TB/s on the
+// H100 without it, and their next units would not fit in L2 beside the current ones.
+constexpr int kPrefetchUnitBytes = 64 * 1024;
+
+// Every 128-byte line of unit v's 16 rows of W_e (whole rows) into L2, spread over the
+// block's threads. NOTES: the unit loop is batch-synchronous (a unit's loads start after
+// the previous unit's stores and barriers), and at Qwen3-30B-A3B's hidden of 2048 one
+// batch is the whole unit, so each unit paid a DRAM round trip (H100, T = 1: 2.15 TB/s
+// against 3.0-3.2 for the larger models); prefetched while the current unit streams, the
+// next one's loads meet L2.
+__device__ void prefetch_unit(const moefuse_decode_args& a, const Routing& rt, int v, int units, int tiles,
+                              int width) {
+  if (v >= units) return;
+  const int ti = v / tiles, tile = v - ti * tiles;
+  const uint16_t* w = a.w_gate_up + size_t(rt.expert[ti]) * width * a.hidden;
+  const int lines = a.hidden * 2 / 128;  // hidden: a multiple of 64
+  for (int i = threadIdx.x; i < 16 * lines; i += blockDim.x) {
+    const int r = i / lines, line = i - r * lines;
+    int lo, hi;
+    tile_rows(a, tile, r & 7, lo, hi);
+    decode::prefetch_l2(w + size_t(r < 8 ? lo : hi) * a.hidden + line * 64);
+  }
+}
+
 // A block takes its units (touched expert, 16 rows of W_e) statically (blockIdx.x,
 // blockIdx.x + gridDim.x, ...) or, with a.unit_counter (zero at the launch), from a counter
 // the grid shares, one unit ahead, so that the blocks that stream faster take more units
 // and the gate_up ends together (H100: 1-3.5 % faster at T = 8..64, docs/perf-notes.md).
 // The down kernel zeroes the counter again.
-__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a, int prefetch) {
   __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
@@ -182,7 +209,11 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
     for (int base = 0; base < count; base += 8 * kMaxGroupBlocks) {
       const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
       const int* slots = sm.routing.slot + first + base;
-      __syncthreads();  // the previous group's partials are read
+      __syncthreads();  // the previous group's partials are read (and sm.next written)
+      if (prefetch && base == 0) {
+        prefetch_unit(a, sm.routing, counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x), units, tiles,
+                      width);
+      }
       if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
@@ -387,7 +418,13 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a) != cudaSuccess) return after_launch(name);
+  // MOEFUSE_DECODE_PREFETCH=0 turns the next-unit prefetch off (the A/B of session 27).
+  static const bool prefetch_allowed = [] {
+    const char* v = std::getenv("MOEFUSE_DECODE_PREFETCH");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  const int prefetch = prefetch_allowed && 16 * a->hidden * 2 <= kPrefetchUnitBytes;
+  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a, prefetch) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
