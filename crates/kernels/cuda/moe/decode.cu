@@ -418,10 +418,11 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  // MOEFUSE_DECODE_PREFETCH=0 turns the next-unit prefetch off (the A/B of session 27).
+  // The next-unit prefetch runs only with MOEFUSE_DECODE_PREFETCH=1 until it has been
+  // measured (benches/decode_ab.sh sets 1 and 0 for its two tensor-core arms).
   static const bool prefetch_allowed = [] {
     const char* v = std::getenv("MOEFUSE_DECODE_PREFETCH");
-    return v == nullptr || std::strcmp(v, "0") != 0;
+    return v != nullptr && std::strcmp(v, "1") == 0;
   }();
   const int prefetch = prefetch_allowed && 16 * a->hidden * 2 <= kPrefetchUnitBytes;
   if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a, prefetch) != cudaSuccess) return after_launch(name);
