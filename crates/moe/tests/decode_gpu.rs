@@ -134,6 +134,14 @@ fn decode_cases() -> Vec<Case> {
             4,
             Route::Ours,
         ),
+        // x and h past the row-dot kernels' 32 KB shared-memory stage (40 KB each): read from
+        // global memory; every smaller case above reads them staged.
+        c(
+            "swiglu_unstaged_rows_t40",
+            MoeConfig::new(512, 128, 16, 4),
+            40,
+            Route::Ours,
+        ),
         c(
             "swiglu_all_on_one_expert_t3",
             MoeConfig::new(128, 256, 2, 1).with_router(RouterKind::External),
