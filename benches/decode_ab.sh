@@ -14,6 +14,7 @@
 #    OUT_DIR/summary.txt;
 # 3. with time left, the decode table with the layer's own choice (DecodeKernels::Auto) at
 #    T = 1..128 beside torch_moe (benches/torch_moe.py) in OUT_DIR/moe.jsonl.
+# 4. with time left, ncu of both pairs at Qwen3 T = 1 (OUT_DIR/ncu_<pair>/).
 # Each step runs only while BUDGET_SECONDS (default 500) last, so a device call's limit is
 # never hit mid-write. Logs: OUT_DIR/logs.tgz.
 set -u
@@ -79,6 +80,18 @@ if [ "$(left)" -gt 150 ]; then
   fi
   cp "$logs/table/moe.jsonl" "$out/moe.jsonl" 2>/dev/null
 fi
+# 4. with time left, Nsight Compute on both pairs at Qwen3-30B-A3B T = 1 (stall reasons and
+#    SASS counters in OUT_DIR/ncu_<pair>/: details.txt, ncu.source.csv.xz).
+for pair in tensor_core row_dot; do
+  if [ "$(left)" -lt 50 ]; then say "ncu $pair skipped: out of time"; continue; fi
+  mkdir -p "$out/ncu_$pair"
+  OUT=$out/ncu_$pair MOEFUSE_DECODE_KERNELS=$pair MOEFUSE_DECODE_PREFETCH=1 NCU_SKIP=4 NCU_COUNT=2 \
+    timeout $(($(left) - 10)) "$pack/run.sh" ncu 'decode_' bench_moe --models qwen3-30b-a3b --tokens 1 --samples 3 \
+    --out "$logs/ncu_bench" >"$out/ncu_$pair/details.txt" 2>&1
+  say "ncu $pair: exit $?"
+  rm -f "$out/ncu_$pair/ncu.ncu-rep"
+  [ -f "$out/ncu_$pair/ncu.source.csv" ] && xz -9 "$out/ncu_$pair/ncu.source.csv"
+done
 cp "$logs/tests/tests.log" "$logs/" 2>/dev/null
 tar -czf "$out/logs.tgz" -C "$logs" .
 cat "$summary"
