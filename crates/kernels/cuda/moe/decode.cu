@@ -317,21 +317,13 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
       for (int sp = 0; sp < splits; ++sp) v += part[size_t(sp) * valid * 16 + i];
       const __nv_bfloat16 b = __float2bfloat16_rn(v);
       part[i] = __bfloat162float(b);
-      if (a.y_e_rows != nullptr) {
-        const int row = decode::expert_row(a, rt.slot[i >> 4]);
-        if (row >= 0) a.y_e_rows[size_t(row) * a.hidden + d0 + (i & 15)] = __bfloat16_as_ushort(b);
-      }
+      decode::store_y_e(a, rt.slot[i >> 4], d0 + (i & 15), __bfloat16_as_ushort(b));
     }
     __syncthreads();
     // y[t, d0 + r] = sum over the token's slots in order of w * y_e (fp32).
     for (int i = threadIdx.x; i < a.tokens * 16; i += blockDim.x) {
       const int t = i >> 4, r = i & 15;
-      float acc = 0.f;
-      for (int j = 0; j < a.top_k; ++j) {
-        const int s = t * a.top_k + j, p = rt.position[s];
-        if (p >= 0) acc += a.topk_weights[s] * part[p * 16 + r];
-      }
-      a.y[size_t(t) * a.hidden + d0 + r] = bf16_bits(acc);
+      a.y[size_t(t) * a.hidden + d0 + r] = bf16_bits(decode::combine_token(a, rt, t, part + r, 16));
     }
     __syncthreads();  // part is rewritten by the next tile
   }

@@ -293,21 +293,13 @@ __device__ __noinline__ void down_store(const moefuse_decode_args& a, const Rout
                                         float v) {
   const __nv_bfloat16 b = __float2bfloat16_rn(v);
   y_e[rt.position[s]] = __bfloat162float(b);
-  if (a.y_e_rows != nullptr) {
-    const int row = decode::expert_row(a, s);
-    if (row >= 0) a.y_e_rows[size_t(row) * a.hidden + d] = __bfloat16_as_ushort(b);
-  }
+  decode::store_y_e(a, s, d, __bfloat16_as_ushort(b));
 }
 
 // y[t, d] = sum over the token's slots in order of w * y_e (fp32), the warp's lanes over t.
 __device__ __noinline__ void combine_column(const moefuse_decode_args& a, const Routing& rt, const float* y_e, int d) {
   for (int t = threadIdx.x & 31; t < a.tokens; t += 32) {
-    float v = 0.f;
-    for (int j = 0; j < a.top_k; ++j) {
-      const int s = t * a.top_k + j, p = rt.position[s];
-      if (p >= 0) v += a.topk_weights[s] * y_e[p];
-    }
-    a.y[size_t(t) * a.hidden + d] = bf16_bits(v);
+    a.y[size_t(t) * a.hidden + d] = bf16_bits(decode::combine_token(a, rt, t, y_e, 1));
   }
 }
 

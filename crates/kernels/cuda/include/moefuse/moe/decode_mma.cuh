@@ -166,6 +166,26 @@ __device__ __forceinline__ void store_h_pre(const moefuse_decode_args& a, int ro
   a.h_pre_rows[size_t(row) * width + hi] = bf16_bits(v_hi);
 }
 
+// Slot s's y_e value (bf16 bits) at column d into its expert-major y_e_rows row, if any.
+__device__ __forceinline__ void store_y_e(const moefuse_decode_args& a, int s, int d, uint16_t v) {
+  if (a.y_e_rows == nullptr) return;
+  const int row = expert_row(a, s);
+  if (row >= 0) a.y_e_rows[size_t(row) * a.hidden + d] = v;
+}
+
+// Token t's output at one column: w * y_e over its valid slots in slot order (fp32), the
+// y_e of the slot at routing position p read at y_e[p * stride]. The one fixed order both
+// decode pairs combine in.
+__device__ __forceinline__ float combine_token(const moefuse_decode_args& a, const Routing& rt, int t,
+                                               const float* y_e, int stride) {
+  float v = 0.f;
+  for (int j = 0; j < a.top_k; ++j) {
+    const int s = t * a.top_k + j, p = rt.position[s];
+    if (p >= 0) v += a.topk_weights[s] * y_e[p * stride];
+  }
+  return v;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
 // first lets the next kernel on the stream start early, the second waits until this
 // kernel's prerequisite grid has completed and its writes are visible.
