@@ -6,9 +6,11 @@
 #
 # 1. the decode_gpu suite (every case on the tensor-core pair and, up to 512 slots, the
 #    row-dot pair);
-# 2. bench_moe with MOEFUSE_DECODE_KERNELS=row_dot, then tensor_core, then tensor_core with
-#    MOEFUSE_DECODE_PREFETCH=0 (the gate_up's next-unit L2 prefetch off; Qwen3 only, the
-#    one model whose units are small enough to prefetch), model by model
+# 2. bench_moe with MOEFUSE_DECODE_KERNELS=row_dot, then tensor_core (with
+#    MOEFUSE_DECODE_PREFETCH=1: the gate_up's next-unit L2 prefetch), then on Qwen3 only (the
+#    one model whose units are small enough to prefetch) tensor_core with
+#    MOEFUSE_DECODE_PREFETCH=0 (no prefetch) and =3 (also the down weights into L2 in the
+#    gate_up's tail, "tail"), model by model
 #    (Qwen3-30B-A3B at T = 1..16, Mixtral-8x7B at T = 1..8, DeepSeek-V3 at T = 1..4 when
 #    time is left; the row-dot pair lost at every T up to 64 on 2026-12-07), JSON lines in OUT_DIR/ab_<arm>.jsonl, and a side-by-side table in
 #    OUT_DIR/summary.txt;
@@ -31,11 +33,16 @@ say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
 say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
 OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
 say "decode_gpu done"
-arms="row_dot tensor_core tensor_core_no_prefetch"
+arms="row_dot tensor_core tensor_core_no_prefetch tensor_core_tail"
 ab() { # MODELS TOKENS [ARMS]
   local arm pair prefetch
   for arm in ${3:-row_dot tensor_core}; do
-    pair=${arm%_no_prefetch}; prefetch=1; [ "$pair" != "$arm" ] && prefetch=0
+    # MOEFUSE_DECODE_PREFETCH: 1 the gate_up's next unit, 2 the down weights in its tail
+    case $arm in
+      *_no_prefetch) pair=${arm%_no_prefetch}; prefetch=0 ;;
+      *_tail) pair=${arm%_tail}; prefetch=3 ;;
+      *) pair=$arm; prefetch=1 ;;
+    esac
     mkdir -p "$logs/ab_$arm"
     if [ "$(left)" -lt 40 ]; then say "skipped $1 $arm: out of time"; continue; fi
     MOEFUSE_DECODE_KERNELS=$pair MOEFUSE_DECODE_PREFETCH=$prefetch timeout $(($(left) - 10)) "$pack/run.sh" bench_moe \

@@ -31,7 +31,6 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
@@ -150,6 +149,14 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
 // H100 without it, and their next units would not fit in L2 beside the current ones.
 constexpr int kPrefetchUnitBytes = 64 * 1024;
 
+// The gate_up kernel's `prefetch` flags (MOEFUSE_DECODE_PREFETCH, a bit mask; both opt-in
+// until measured): the next unit's rows, and the down weights once the units run out.
+constexpr int kPrefetchNextUnit = 1;
+constexpr int kPrefetchDownTail = 2;
+// The tail prefetch only while the touched down weights take at most this much of L2
+// (Qwen3-30B-A3B at T = 1: 25 MB; the H100's L2 is 50 MB).
+constexpr size_t kPrefetchDownBytes = size_t(32) << 20;
+
 // Every 128-byte line of unit v's 16 rows of W_e (whole rows) into L2, spread over the
 // block's threads. NOTES: the unit loop is batch-synchronous (a unit's loads start after
 // the previous unit's stores and barriers), and at Qwen3-30B-A3B's hidden of 2048 one
@@ -170,12 +177,29 @@ __device__ void prefetch_unit(const moefuse_decode_args& a, const Routing& rt, i
   }
 }
 
+// Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
+// up to kPrefetchBytes per block (all blocks together stay well inside L2).
+constexpr int kPrefetchBytes = 192 * 1024;
+
+__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0) {
+  const int lines_per_row = a.intermediate * 2 / 128;
+  const int per_expert = 16 * lines_per_row;
+  const int total = min(rt.touched * per_expert, kPrefetchBytes / 128);
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int ti = i / per_expert, rest = i - ti * per_expert, row = rest / lines_per_row;
+    const int line = rest - row * lines_per_row;
+    const uint16_t* p = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0 + row) * a.intermediate + line * 64;
+    decode::prefetch_l2(p);
+  }
+}
+
 // A block takes its units (touched expert, 16 rows of W_e) statically (blockIdx.x,
 // blockIdx.x + gridDim.x, ...) or, with a.unit_counter (zero at the launch), from a counter
 // the grid shares, one unit ahead, so that the blocks that stream faster take more units
 // and the gate_up ends together (H100: 1-3.5 % faster at T = 8..64, docs/perf-notes.md).
 // The down kernel zeroes the counter again.
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a, int prefetch) {
+  const bool next_unit = prefetch & kPrefetchNextUnit;
   __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
@@ -210,7 +234,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
       const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
       const int* slots = sm.routing.slot + first + base;
       __syncthreads();  // the previous group's partials are read (and sm.next written)
-      if (prefetch && base == 0) {
+      if (next_unit && base == 0) {
         prefetch_unit(a, sm.routing, counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x), units, tiles,
                       width);
       }
@@ -221,6 +245,26 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
     }
     u = counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x);
   }
+  // Out of gate_up units: while the other blocks finish theirs, pull the down kernel's
+  // weights into L2, one y tile (16 rows of every touched D_e) per item, the items taken
+  // past the last unit from the same counter (or statically). The down kernel's blocks
+  // would prefetch the same tiles only once both gate_up blocks of their SM have exited.
+  const size_t down_bytes = size_t(sm.routing.touched) * a.hidden * a.intermediate * 2;
+  if (!(prefetch & kPrefetchDownTail) || down_bytes > kPrefetchDownBytes) return;
+  const int tiles_y = a.hidden / 16;
+  for (int i = 0; u < units + tiles_y; ++i) {
+    int next = u + int(gridDim.x);
+    if (counter != nullptr) {
+      __syncthreads();  // every thread has read sm.next[i & 1]'s last value
+      if (threadIdx.x == 0) sm.next[i & 1] = int(atomicAdd(counter, 1u));
+    }
+    prefetch_tile(a, sm.routing, (u - units) * 16);
+    if (counter != nullptr) {
+      __syncthreads();
+      next = sm.next[i & 1];
+    }
+    u = next;
+  }
 }
 
 // ---- down + combine ---------------------------------------------------------------------
@@ -229,22 +273,6 @@ struct DownShared {
   Routing routing;
   decode::Groups groups;
 };
-
-// Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
-// up to kPrefetchBytes per block (all blocks together stay well inside L2).
-constexpr int kPrefetchBytes = 192 * 1024;
-
-__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0) {
-  const int lines_per_row = a.intermediate * 2 / 128;
-  const int per_expert = 16 * lines_per_row;
-  const int total = min(rt.touched * per_expert, kPrefetchBytes / 128);
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int ti = i / per_expert, rest = i - ti * per_expert, row = rest / lines_per_row;
-    const int line = rest - row * lines_per_row;
-    const uint16_t* p = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0 + row) * a.intermediate + line * 64;
-    decode::prefetch_l2(p);
-  }
-}
 
 template <int NB>
 __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
@@ -410,13 +438,16 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  // The next-unit prefetch runs only with MOEFUSE_DECODE_PREFETCH=1 until it has been
-  // measured (benches/decode_ab.sh sets 1 and 0 for its two tensor-core arms).
-  static const bool prefetch_allowed = [] {
+  // The prefetches run only when MOEFUSE_DECODE_PREFETCH names them (a bit mask: 1 the
+  // next unit, 2 the down weights in the gate_up's tail) until measured (benches/decode_ab.sh
+  // sets it per tensor-core arm).
+  static const int prefetch_allowed = [] {
     const char* v = std::getenv("MOEFUSE_DECODE_PREFETCH");
-    return v != nullptr && std::strcmp(v, "1") == 0;
+    const int bits = v != nullptr ? std::atoi(v) : 0;
+    return bits & (kPrefetchNextUnit | kPrefetchDownTail);
   }();
-  const int prefetch = prefetch_allowed && 16 * a->hidden * 2 <= kPrefetchUnitBytes;
+  int prefetch = prefetch_allowed;
+  if (16 * a->hidden * 2 > kPrefetchUnitBytes) prefetch &= ~kPrefetchNextUnit;
   if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a, prefetch) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
