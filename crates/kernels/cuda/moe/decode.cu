@@ -87,7 +87,7 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
 
 // One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
 // MMAs into shared partials.
-template <int NB>
+template <int NB, int U1>
 __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
                                 const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
@@ -98,9 +98,9 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, 
     b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
   }
   float acc[NB][4];
-  // Two blocks of 8 warps per SM (128 registers): 8 chunks per lane in flight with one
-  // column block.
-  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
+  // Two blocks of 8 warps per SM (128 registers): U1 (8, or 4 with kNarrowBatch) chunks per
+  // lane in flight with one column block, 4 with two.
+  decode::mma_rows<NB, NB == 1 ? U1 : 4>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
@@ -149,10 +149,14 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
 // H100 without it, and their next units would not fit in L2 beside the current ones.
 constexpr int kPrefetchUnitBytes = 64 * 1024;
 
-// The gate_up kernel's `prefetch` flags (MOEFUSE_DECODE_PREFETCH, a bit mask; both opt-in
-// until measured): the next unit's rows, and the down weights once the units run out.
+// The kernels' `options` (MOEFUSE_DECODE_OPTIONS, a bit mask; each opt-in until measured):
+// the gate_up prefetches its next unit's rows into L2, and the down weights once its units
+// run out; both kernels load 4 chunks per batch instead of 8 with one column block (all of
+// a batch's loads then issue before its first MMA: with 8 ptxas starts the MMAs before the
+// last loads at 128 registers).
 constexpr int kPrefetchNextUnit = 1;
 constexpr int kPrefetchDownTail = 2;
+constexpr int kNarrowBatch = 4;
 // The tail prefetch only while the touched down weights take at most this much of L2
 // (Qwen3-30B-A3B at T = 1: 25 MB; the H100's L2 is 50 MB).
 constexpr size_t kPrefetchDownBytes = size_t(32) << 20;
@@ -198,8 +202,9 @@ __device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, i
 // the grid shares, one unit ahead, so that the blocks that stream faster take more units
 // and the gate_up ends together (H100: 1-3.5 % faster at T = 8..64, docs/perf-notes.md).
 // The down kernel zeroes the counter again.
-__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a, int prefetch) {
-  const bool next_unit = prefetch & kPrefetchNextUnit;
+template <int U1>
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a, int options) {
+  const bool next_unit = options & kPrefetchNextUnit;
   __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
@@ -238,8 +243,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
         prefetch_unit(a, sm.routing, counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x), units, tiles,
                       width);
       }
-      if (blocks == 1) gate_up_partial<1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      else gate_up_partial<2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      if (blocks == 1) gate_up_partial<1, U1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2, 4>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
       gate_up_store(a, sm, slots, n, tile, blocks);
     }
@@ -250,7 +255,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   // past the last unit from the same counter (or statically). The down kernel's blocks
   // would prefetch the same tiles only once both gate_up blocks of their SM have exited.
   const size_t down_bytes = size_t(sm.routing.touched) * a.hidden * a.intermediate * 2;
-  if (!(prefetch & kPrefetchDownTail) || down_bytes > kPrefetchDownBytes) return;
+  if (!(options & kPrefetchDownTail) || down_bytes > kPrefetchDownBytes) return;
   const int tiles_y = a.hidden / 16;
   for (int i = 0; u < units + tiles_y; ++i) {
     int next = u + int(gridDim.x);
@@ -274,7 +279,7 @@ struct DownShared {
   decode::Groups groups;
 };
 
-template <int NB>
+template <int NB, int U1>
 __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
                              const uint16_t* w_hi, int c0, int c1, float* part) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -286,7 +291,7 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
   float acc[NB][4];
   // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
-  decode::mma_rows<NB, NB == 1 ? 8 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
+  decode::mma_rows<NB, NB == 1 ? U1 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -301,6 +306,7 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
 }
 
+template <int U1>
 __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
   extern __shared__ float part[];  // [splits][valid slots][16]
@@ -335,8 +341,8 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;
       float* p = part + (size_t(sp) * valid + first) * 16;
-      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
-      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      if (n <= 8) down_partial<1, U1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2, 4>(a, slots, n, w_lo, w_hi, c0, c1, p);
     }
     __syncthreads();
     // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
@@ -365,10 +371,13 @@ ResidentBlocks resident_grids() {
   static std::atomic<int> cache[64][2];
   return resident_blocks(cache, {132, 132}, [] {
     ResidentBlocks per{0, 0};
-    cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         int(kPartFloats * sizeof(float)));
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.gate_up, decode_gate_up_kernel, kGateUpWarps * 32, 0);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.down, decode_down_kernel, kDownWarps * 32,
+    // Both batch widths' instances: the same registers bound (launch bounds), so the same
+    // occupancy; the 8-chunk instances' figures are taken.
+    for (auto down : {decode_down_kernel<8>, decode_down_kernel<4>}) {
+      cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPartFloats * sizeof(float)));
+    }
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.gate_up, decode_gate_up_kernel<8>, kGateUpWarps * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.down, decode_down_kernel<8>, kDownWarps * 32,
                                                   kPartFloats * sizeof(float));
     return per;
   });
@@ -438,17 +447,17 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  // The prefetches run only when MOEFUSE_DECODE_PREFETCH names them (a bit mask: 1 the
-  // next unit, 2 the down weights in the gate_up's tail) until measured (benches/decode_ab.sh
-  // sets it per tensor-core arm).
-  static const int prefetch_allowed = [] {
-    const char* v = std::getenv("MOEFUSE_DECODE_PREFETCH");
+  // The options run only when MOEFUSE_DECODE_OPTIONS names them (a bit mask: 1 the next
+  // unit's prefetch, 2 the down weights' in the gate_up's tail, 4 the narrow batch) until
+  // measured (benches/decode_ab.sh sets it per tensor-core arm).
+  static const int options_allowed = [] {
+    const char* v = std::getenv("MOEFUSE_DECODE_OPTIONS");
     const int bits = v != nullptr ? std::atoi(v) : 0;
-    return bits & (kPrefetchNextUnit | kPrefetchDownTail);
+    return bits & (kPrefetchNextUnit | kPrefetchDownTail | kNarrowBatch);
   }();
-  int prefetch = prefetch_allowed;
-  if (16 * a->hidden * 2 > kPrefetchUnitBytes) prefetch &= ~kPrefetchNextUnit;
-  if (cudaLaunchKernelEx(&up, decode_gate_up_kernel, *a, prefetch) != cudaSuccess) return after_launch(name);
+  int options = options_allowed;
+  if (16 * a->hidden * 2 > kPrefetchUnitBytes) options &= ~kPrefetchNextUnit;
+  if (cudaLaunchKernelEx(&up, (options & kNarrowBatch) ? decode_gate_up_kernel<4> : decode_gate_up_kernel<8>, *a, options) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
@@ -463,6 +472,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   launch.stream = s;
   launch.attrs = attr;
   launch.numAttrs = 1;
-  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&launch, (options & kNarrowBatch) ? decode_down_kernel<4> : decode_down_kernel<8>, *a, split_cap) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }

@@ -232,37 +232,45 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
 }
 
 // acc[nb] = A[16, K range] · B[nb]ᵀ for K chunks [c0, c1): A rows a_lo (row g) and a_hi
-// (row g + 8) of this lane, U chunks of A in flight per lane, B rows b + b_off[nb] (column nb * 8 + g; 32-bit element
-// offsets keep eight of them in eight registers). C fragment: acc[nb][0..1] =
-// (row g, columns 2t, 2t+1), acc[nb][2..3] = (row g + 8, same columns).
+// (row g + 8) of this lane, U chunks of A in flight per lane, B rows b + b_off[nb] (column
+// nb * 8 + g; 32-bit element offsets keep eight of them in eight registers). C fragment:
+// acc[nb][0..1] = (row g, columns 2t, 2t+1), acc[nb][2..3] = (row g + 8, same columns).
+// Whole batches of U chunks, then the rest one chunk at a time.
+// NOTES: a batch costs one memory round trip only if all its loads issue before its first
+// MMA, and at 128 registers ptxas starts the MMAs early when they do not fit (U = 8 with one
+// column block: 7 of the 8 chunks' loads go first). A last partial batch with clamped loads
+// and predicated MMAs (b57ebaa), or extra batches of U/2 and U/4 for the rest, left fewer
+// loads before the first MMA (4.5 of 8; spills): Qwen3-30B-A3B decode 9-12 % slower at every
+// T (H100, 2026-12-07, docs/perf-notes.md "Session 28").
 template <int NB, int U>
 __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
                                          const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
   const int k8 = (threadIdx.x & 3) * 8;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-  // Batches of U chunks, the last one partial (NOTES: the tail once ran one chunk at a time,
-  // each a memory round trip: the down kernel at Qwen3-30B-A3B T = 1 paid four after its
-  // batch of 8 (12 chunks per warp), DeepSeek-V3's gate_up four per unit (28). One loop
-  // whose last batch reloads its final chunk in the unused places: a separate tail batch, or
-  // predicated loads, spilled at 128 registers.)
-  for (int c = c0; c < c1; c += U) {
+  int c = c0;
+  for (; c + U <= c1; c += U) {
     uint4 lo[U], hi[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int cc = min(c + u, c1 - 1);  // past the end: the last chunk again, unused
-      lo[u] = load_stream(a_lo + cc * kChunk + k8);
-      hi[u] = load_stream(a_hi + cc * kChunk + k8);
+      lo[u] = load_stream(a_lo + (c + u) * kChunk + k8);
+      hi[u] = load_stream(a_hi + (c + u) * kChunk + k8);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (c + u < c1) {
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
-          mma_chunk(acc[nb], lo[u], hi[u], bv);
-        }
+      for (int nb = 0; nb < NB; ++nb) {
+        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
+        mma_chunk(acc[nb], lo[u], hi[u], bv);
       }
+    }
+  }
+  for (; c < c1; ++c) {
+    const uint4 lo = load_stream(a_lo + c * kChunk + k8), hi = load_stream(a_hi + c * kChunk + k8);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8));
+      mma_chunk(acc[nb], lo, hi, bv);
     }
   }
 }
