@@ -87,7 +87,7 @@ __device__ __forceinline__ void tile_rows(const moefuse_decode_args& a, int tile
 
 // One unit's slots [s0, s0 + n) of the expert's list, n <= 64: the warp's K range of the
 // MMAs into shared partials.
-template <int NB, int U1>
+template <int NB, int U>
 __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n,
                                 const uint16_t* w_lo, const uint16_t* w_hi, int c0, int c1) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
@@ -98,9 +98,9 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, 
     b_off[nb] = uint32_t(slots[col < n ? col : 0] / a.top_k) * uint32_t(a.hidden);
   }
   float acc[NB][4];
-  // Two blocks of 8 warps per SM (128 registers): U1 (8, or 4 with kNarrowBatch) chunks per
-  // lane in flight with one column block, 4 with two.
-  decode::mma_rows<NB, NB == 1 ? U1 : 4>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
+  // Two blocks of 8 warps per SM (128 registers): U chunks per lane in flight (8 with one
+  // column block, 4 with two; half that with kNarrowBatch).
+  decode::mma_rows<NB, U>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
                       width);
       }
       if (blocks == 1) gate_up_partial<1, U1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      else gate_up_partial<2, 4>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2, U1 / 2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
       gate_up_store(a, sm, slots, n, tile, blocks);
     }

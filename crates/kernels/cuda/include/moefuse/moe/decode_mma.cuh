@@ -249,6 +249,8 @@ __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
   int c = c0;
+  // (not unrolled: two batches merged into one would let the MMAs start mid-batch)
+#pragma unroll 1
   for (; c + U <= c1; c += U) {
     uint4 lo[U], hi[U];
 #pragma unroll
