@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The decode forward's two kernel pairs side by side, on the GPU machine, from the repository
+# The decode forward's kernels and their opt-in variants side by side, on the GPU machine, from the repository
 # root, with a device pack unpacked at PACK (default /tmp/.device-pack):
 #
 #   benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]
 #
 # 1. the decode_gpu suite;
-# 2. bench_moe on the tensor-core pair as built and with each opt-in variant of
+# 2. bench_moe on the decode kernels as built and with each opt-in variant of
 #    MOEFUSE_DECODE_OPTIONS (the arms below), Qwen3-30B-A3B at T = 1..64 (every arm, the
 #    first again last), Mixtral-8x7B at T = 1..8 and DeepSeek-V3 at T = 1..4 (as built and
 #    narrow), JSON lines in OUT_DIR/ab/<arm>.jsonl, a side-by-side table in
 #    OUT_DIR/summary.txt;
 # 3. with time left, the decode table with the layer's own choice (DecodeKernels::Auto) at
 #    T = 1..128 beside torch_moe (benches/torch_moe.py) in OUT_DIR/moe.jsonl;
-# 4. with time left, ncu of the pair at Qwen3 T = 1, as built and narrow (OUT_DIR/ncu.tar).
+# 4. with time left, ncu of the kernels at Qwen3 T = 1, as built and narrow (OUT_DIR/ncu.tar).
 # Each step runs only while BUDGET_SECONDS (default 500) last, so a device call's limit is
 # never hit mid-write. Logs: OUT_DIR/logs.tgz.
 set -u
@@ -29,28 +29,28 @@ say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
 say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
 OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
 say "decode_gpu done"
-# An arm: NAME=KERNELS:OPTIONS (MOEFUSE_DECODE_KERNELS, and MOEFUSE_DECODE_OPTIONS: a bit mask
-# of the tensor-core pair's opt-in variants, 1 the gate_up's next-unit L2 prefetch, 2 the
-# down weights into L2 in the gate_up's tail, 4 batches of 4 chunks instead of 8). The first
-# arm runs again last on Qwen3 ("again"), so drift between arms shows.
-arm_list="tensor_core=tensor_core:0 narrow=tensor_core:4 prefetch=tensor_core:1 tail=tensor_core:2 again=tensor_core:0"
+# An arm: NAME=OPTIONS (MOEFUSE_DECODE_OPTIONS: a bit mask of the decode kernels' opt-in
+# variants, 1 the gate_up's next-unit L2 prefetch, 2 the down weights into L2 in the
+# gate_up's tail, 4 batches of 4 chunks instead of 8). The first arm runs again last on
+# Qwen3 ("again"), so drift between arms shows.
+arm_list="as_built=0 narrow=4 prefetch=1 tail=2 again=0"
 arms=$(for a in $arm_list; do printf '%s ' "${a%%=*}"; done)
 ab() { # MODELS TOKENS ARM...
-  local models=$1 tokens=$2 a name spec
+  local models=$1 tokens=$2 a name options
   shift 2
   for a in "$@"; do
-    name=${a%%=*}; spec=${a#*=}
+    name=${a%%=*}; options=${a#*=}
     mkdir -p "$logs/ab_$name"
     if [ "$(left)" -lt 40 ]; then say "skipped $models $name: out of time"; continue; fi
-    MOEFUSE_DECODE_KERNELS=${spec%%:*} MOEFUSE_DECODE_OPTIONS=${spec#*:} timeout $(($(left) - 10)) \
+    MOEFUSE_DECODE_OPTIONS=$options timeout $(($(left) - 10)) \
       "$pack/run.sh" bench_moe --out "$logs/ab_$name" --models "$models" --tokens "$tokens" --samples 15 \
       >>"$logs/ab_$name.log" 2>&1
-    say "bench_moe $models T=$tokens $name ($spec): exit $?"
+    say "bench_moe $models T=$tokens $name (options $options): exit $?"
   done
 }
 ab qwen3-30b-a3b 1,2,4,8,16,32,64 $arm_list
-ab mixtral-8x7b 1,2,4,8 tensor_core=tensor_core:0 narrow=tensor_core:4
-ab deepseek-v3 1,2,4 tensor_core=tensor_core:0 narrow=tensor_core:4
+ab mixtral-8x7b 1,2,4,8 as_built=0 narrow=4
+ab deepseek-v3 1,2,4 as_built=0 narrow=4
 python3 - "$logs" $arms >>"$summary" <<'PY'
 import json, os, sys
 rows, arms = {}, sys.argv[2:]
@@ -86,14 +86,14 @@ if [ "$(left)" -gt 150 ]; then
   fi
   cp "$logs/table/moe.jsonl" "$out/moe.jsonl" 2>/dev/null
 fi
-# 4. with time left, Nsight Compute on the tensor-core pair at Qwen3-30B-A3B T = 1, as built
+# 4. with time left, Nsight Compute on the decode kernels at Qwen3-30B-A3B T = 1, as built
 #    and with the narrow batch (stall reasons and SASS counters in OUT_DIR/ncu/<arm>/:
 #    details.txt, ncu.source.csv.xz).
-for a in tensor_core=0 narrow=4; do
+for a in as_built=0 narrow=4; do
   name=${a%%=*}
   if [ "$(left)" -lt 50 ]; then say "ncu $name skipped: out of time"; continue; fi
   mkdir -p "$out/ncu/$name"
-  OUT=$out/ncu/$name MOEFUSE_DECODE_KERNELS=tensor_core MOEFUSE_DECODE_OPTIONS=${a#*=} NCU_SKIP=4 NCU_COUNT=2 \
+  OUT=$out/ncu/$name MOEFUSE_DECODE_OPTIONS=${a#*=} NCU_SKIP=4 NCU_COUNT=2 \
     timeout $(($(left) - 10)) "$pack/run.sh" ncu 'decode_' bench_moe --models qwen3-30b-a3b --tokens 1 --samples 3 \
     --out "$logs/ncu_bench" >"$out/ncu/$name/details.txt" 2>&1
   say "ncu $name: exit $?"

@@ -21,8 +21,8 @@ use clap::Parser;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{
-    decode_applies, decode_preferred, DecodeKernels, DecodePath, GateUpPath, Mode, MoeLayer,
-    MoePlan, MoeWorkspace, Routing, Weights,
+    decode_applies, decode_preferred, DecodePath, GateUpPath, Mode, MoeLayer, MoePlan,
+    MoeWorkspace, Routing, Weights,
 };
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
 use moefuse_benches::{append, commit, open_gpu, rotation, today, Error, Record};
@@ -119,24 +119,6 @@ fn main() -> Result<(), Error> {
             MoeLayer::new(&stream, &plan, Mode::Training)?,
             MoeLayer::new(&stream, &plan, Mode::Inference)?,
         );
-        // MOEFUSE_DECODE_KERNELS=tensor_core|row_dot forces a pair of decode kernels in both
-        // layers (A/B runs; the default is the layers' Auto).
-        if let Ok(v) = std::env::var("MOEFUSE_DECODE_KERNELS") {
-            let kernels = match v.as_str() {
-                "tensor_core" => DecodeKernels::TensorCore,
-                "row_dot" => DecodeKernels::RowDot,
-                "auto" => DecodeKernels::Auto,
-                other => {
-                    return Err(format!(
-                        "MOEFUSE_DECODE_KERNELS={other}: tensor_core, row_dot or auto"
-                    )
-                    .into())
-                }
-            };
-            println!("  decode kernels forced: {kernels:?}");
-            train.set_decode_kernels(kernels);
-            infer.set_decode_kernels(kernels);
-        }
         // One workspace for both layers: what they need on every gate_up path the bench
         // forces (the plan's size fits any).
         let ws_bytes = workspace_for_every_path(&stream, [&mut train, &mut infer])?;

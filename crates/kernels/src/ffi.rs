@@ -508,8 +508,6 @@ pub struct MoefuseDecodeArgs {
     pub activation: i32,
     /// `MOEFUSE_GATE_UP_*`.
     pub layout: i32,
-    /// `MOEFUSE_DECODE_KERNELS_*`.
-    pub kernels: i32,
     /// `SwiGluOai`'s sigmoid slope.
     pub alpha: f32,
     /// The clamped activations' limit.
@@ -547,18 +545,6 @@ pub struct MoefuseDecodeArgs {
 pub const MOEFUSE_DECODE_MAX_TOKENS: usize = 64;
 /// `MOEFUSE_DECODE_MAX_SLOTS` (moe_abi.h).
 pub const MOEFUSE_DECODE_MAX_SLOTS: usize = 1024;
-/// `MOEFUSE_DECODE_KERNELS_AUTO` (moe_abi.h): row-dot up to
-/// [`MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS`] tokens, tensor-core beyond.
-pub const MOEFUSE_DECODE_KERNELS_AUTO: i32 = 0;
-/// `MOEFUSE_DECODE_KERNELS_TENSOR_CORE` (moe_abi.h).
-pub const MOEFUSE_DECODE_KERNELS_TENSOR_CORE: i32 = 1;
-/// `MOEFUSE_DECODE_KERNELS_ROW_DOT` (moe_abi.h).
-pub const MOEFUSE_DECODE_KERNELS_ROW_DOT: i32 = 2;
-/// `MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS` (moe_abi.h): 0 until the row-dot pair has run on a
-/// GPU, so `Auto` is the tensor-core pair for now.
-pub const MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS: usize = 0;
-/// `MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (moe_abi.h).
-pub const MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS: usize = 512;
 
 /// `moefuse_scatter_columns_args` (moe_abi.h): one value per row into a zeroed bf16 row.
 #[repr(C)]
@@ -734,8 +720,7 @@ mod tests {
         assert_eq!(size_of::<MoefuseColumnsToF32Args>(), 32);
         assert_eq!(offset_of!(MoefuseColumnsToF32Args, input), 16);
         assert_eq!(size_of::<MoefuseDecodeArgs>(), 144);
-        assert_eq!(offset_of!(MoefuseDecodeArgs, kernels), 28);
-        assert_eq!(offset_of!(MoefuseDecodeArgs, alpha), 32);
+        assert_eq!(offset_of!(MoefuseDecodeArgs, alpha), 28);
         assert_eq!(offset_of!(MoefuseDecodeArgs, topk_ids), 40);
         assert_eq!(offset_of!(MoefuseDecodeArgs, errors), 128);
         assert_eq!(offset_of!(MoefuseDecodeArgs, unit_counter), 136);

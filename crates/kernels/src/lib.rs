@@ -44,10 +44,9 @@ pub use handle::{arch_of, Kernels};
 pub use launch::Launch;
 pub use moe_ops::{
     Activation, ActivationBackwardRouted, ActivationKind, ColumnsToF32, CombineBackward,
-    CombineForward, DecodeForward, DecodeKernels, DownDgradFused, DownScatter, GateUpFused,
-    GateUpLayout, GateUpRows, GatherRows, PeerRows, Permute, RouterBackward, RouterForward,
-    RouterScoring, ScatterColumns, ScatterRows, ScatterWeights, DECODE_DIM_MULTIPLE,
-    DOWN_DGRAD_COLUMN_BLOCK,
+    CombineForward, DecodeForward, DownDgradFused, DownScatter, GateUpFused, GateUpLayout,
+    GateUpRows, GatherRows, PeerRows, Permute, RouterBackward, RouterForward, RouterScoring,
+    ScatterColumns, ScatterRows, ScatterWeights, DECODE_DIM_MULTIPLE, DOWN_DGRAD_COLUMN_BLOCK,
 };
 /// The facts shared with the build scripts, xtask and the C side (`moefuse-spec`): arch
 /// table, variant table, limits, grouped kinds, tile-order fields. Re-exported so a crate

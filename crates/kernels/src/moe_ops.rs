@@ -51,7 +51,7 @@ mod down_scatter;
 mod gate_up;
 mod permute;
 pub use columns::{ColumnsToF32, ScatterColumns};
-pub use decode::{DecodeForward, DecodeKernels, DECODE_DIM_MULTIPLE};
+pub use decode::{DecodeForward, DECODE_DIM_MULTIPLE};
 pub use down_dgrad::{DownDgradFused, DOWN_DGRAD_COLUMN_BLOCK};
 pub use down_scatter::{DownScatter, ScatterRows, ScatterWeights};
 pub use gate_up::{GateUpFused, GateUpRows, PeerRows};

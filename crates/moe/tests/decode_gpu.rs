@@ -6,10 +6,8 @@
 //! splits); the Training layer's backward on the rows the decode kernels saved; a graph
 //! replay with new routing equal to eager; ids outside `0..E` dropped and flagged; bad
 //! input refused before any launch; the gate_up's units from a shared counter equal bit for
-//! bit to fixed shares, the counter zero again after each call. Both pairs of kernels (the
-//! tensor-core pair, and the row-dot pair wherever it can run: up to 512 slots, an expert
-//! with more slots than one group in several groups). Outputs are poisoned before each run; relative error
-//! < 2e-2 (bf16 storage).
+//! bit to fixed shares, the counter zero again after each call. Outputs are poisoned before
+//! each run; relative error < 2e-2 (bf16 storage).
 
 #![forbid(unsafe_code)]
 
@@ -19,11 +17,9 @@ use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
 use layer_common::{bits, check_case, e, graph_replay_case, same_bits, Case, Route};
 use moefuse::gpu::{
-    decode_applies, decode_forward, ActivationBackwardPath, DecodeInputs, DecodeKernels,
-    DeviceErrors, GateUpPath,
+    decode_applies, decode_forward, ActivationBackwardPath, DecodeInputs, DeviceErrors, GateUpPath,
 };
 use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
-use moefuse_kernels::ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS as ROW_DOT_MAX_SLOTS;
 use moefuse_testkit::{GpuSuite, Rng, POISON_BF16};
 use std::sync::Arc;
 
@@ -100,14 +96,14 @@ fn decode_cases() -> Vec<Case> {
             1,
             Route::Ours,
         ),
-        // Every expert gets 8 slots: two groups of 4 for the row-dot kernels.
+        // Every expert gets 8 slots: one full column block of the MMAs.
         c(
             "swiglu_every_expert_twice_over_t8",
             MoeConfig::new(128, 192, 8, 8),
             8,
             Route::Ours,
         ),
-        // The row-dot pair's other activations and the interleaved layout's row pairs.
+        // The other activations and the interleaved layout's row pairs.
         c(
             "geglu_interleaved_external_zero_experts_t3",
             MoeConfig::new(128, 192, 8, 2)
@@ -134,10 +130,9 @@ fn decode_cases() -> Vec<Case> {
             4,
             Route::Ours,
         ),
-        // x and h past the row-dot kernels' 32 KB shared-memory stage (40 KB each): read from
-        // global memory; every smaller case above reads them staged.
+        // ~10 slots per expert: experts with more than 8 take two column blocks per pass.
         c(
-            "swiglu_unstaged_rows_t40",
+            "swiglu_two_column_blocks_t40",
             MoeConfig::new(512, 128, 16, 4),
             40,
             Route::Ours,
@@ -151,18 +146,7 @@ fn decode_cases() -> Vec<Case> {
     ]
 }
 
-/// The pairs of decode kernels that can run `case`: the tensor-core pair always, the
-/// row-dot pair up to `MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (512) slots.
-fn kernel_pairs(case: &Case) -> Vec<DecodeKernels> {
-    let mut pairs = vec![DecodeKernels::TensorCore];
-    if case.tokens * case.cfg.top_k <= ROW_DOT_MAX_SLOTS {
-        pairs.push(DecodeKernels::RowDot);
-    }
-    pairs
-}
-
-/// Forward, backward and accumulation of every case on the decode path, with each pair of
-/// kernels that can run it.
+/// Forward, backward and accumulation of every case on the decode path.
 fn decode_layer_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(e)?;
     let seed = Rng::fresh_seed();
@@ -170,74 +154,27 @@ fn decode_layer_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> 
         if !decode_applies(&case.cfg, case.tokens) {
             return Err(format!("{}: not a decode case", case.name));
         }
-        for kernels in kernel_pairs(case) {
-            check_case(
-                &stream,
-                case,
-                seed.wrapping_add(n as u64),
-                Some(kernels),
-                GateUpPath::Auto,
-                ActivationBackwardPath::Auto,
-                None,
-            )?;
-            println!("{} {kernels:?} ok", case.name);
-        }
+        check_case(
+            &stream,
+            case,
+            seed.wrapping_add(n as u64),
+            true,
+            GateUpPath::Auto,
+            ActivationBackwardPath::Auto,
+            None,
+        )?;
+        println!("{} ok", case.name);
     }
     Ok(())
 }
 
 /// Forward + backward captured on the decode path, replayed with new inputs, routing and
-/// weights: equal to eager bit for bit (one token, top-8; seven tokens, top-4), with each
-/// pair of kernels.
+/// weights: equal to eager bit for bit (one token, top-8; seven tokens, top-4).
 fn decode_graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
     for case in &decode_cases()[..2] {
-        for kernels in kernel_pairs(case) {
-            graph_replay_case(ctx, case, Some(kernels))?;
-            println!("{} {kernels:?} ok", case.name);
-        }
+        graph_replay_case(ctx, case, true)?;
+        println!("{} ok", case.name);
     }
-    Ok(())
-}
-
-/// The row-dot kernels asked for more than 512 slots: a typed error before any launch (the
-/// poisoned output stays untouched); the same forward on the tensor-core pair runs.
-fn decode_row_dot_refuses_too_many_slots(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    use moefuse::gpu::{DecodePath, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights};
-    let stream = ctx.new_stream().map_err(e)?;
-    let (t, cfg) = (33, MoeConfig::new(128, 64, 32, 16)); // 528 slots
-    let plan = MoePlan::new(cfg, t).map_err(e)?;
-    let mut layer = MoeLayer::new(&stream, &plan, Mode::Inference).map_err(e)?;
-    let mut ws = MoeWorkspace::new(&stream, plan.workspace_bytes(Mode::Inference)).map_err(e)?;
-    let mut rng = Rng::new(Rng::fresh_seed());
-    let (d, i, ex) = (cfg.hidden, cfg.intermediate, cfg.experts);
-    let x = stream.clone_htod(&rng.bf16_vec(t * d)).map_err(e)?;
-    let gate_up = stream
-        .clone_htod(&rng.bf16_vec(ex * cfg.gate_up_width() * d))
-        .map_err(e)?;
-    let down = stream.clone_htod(&rng.bf16_vec(ex * d * i)).map_err(e)?;
-    let logits: Vec<f32> = (0..t * ex).map(|_| rng.uniform()).collect();
-    let logits = stream.clone_htod(&logits).map_err(e)?;
-    let mut y = stream.clone_htod(&vec![POISON_BF16; t * d]).map_err(e)?;
-    let w = Weights::new(gate_up.slice(..), down.slice(..));
-    // Forced onto the decode path (Auto takes the grouped GEMMs at 16.5 rows per expert).
-    layer.set_decode_path(DecodePath::Always);
-    layer.set_decode_kernels(DecodeKernels::RowDot);
-    match layer.forward(&w, &x, t, Routing::Logits(&logits), &mut y, &mut ws) {
-        Err(MoeError::Kernel(k))
-            if k.to_string()
-                .contains(&format!("at most {ROW_DOT_MAX_SLOTS} slots")) => {}
-        other => return Err(format!("row-dot at 528 slots: {other:?}")),
-    }
-    if bits(&stream.clone_dtoh(&y).map_err(e)?)
-        .iter()
-        .any(|&b| b != POISON_BF16.to_bits())
-    {
-        return Err("a refused call wrote y".into());
-    }
-    layer.set_decode_kernels(DecodeKernels::TensorCore);
-    layer
-        .forward(&w, &x, t, Routing::Logits(&logits), &mut y, &mut ws)
-        .map_err(e)?;
     Ok(())
 }
 
@@ -447,7 +384,6 @@ fn decode_unit_counter_equals_fixed_shares(ctx: &Arc<CudaContext>) -> Result<(),
                         y_e_rows: Some(&mut y_e_rows),
                         errors: Some(&mut errors),
                         unit_counter: counter_start.map(|_| &mut counter as _),
-                        kernels: moefuse_kernels::DecodeKernels::TensorCore,
                     },
                 )
                 .map_err(e)?;
@@ -502,10 +438,6 @@ fn main() {
             decode_drops_and_flags_bad_ids,
         )
         .test("decode_rejects_bad_input", decode_rejects_bad_input)
-        .test(
-            "decode_row_dot_refuses_too_many_slots",
-            decode_row_dot_refuses_too_many_slots,
-        )
         .test(
             "decode_unit_counter_equals_fixed_shares",
             decode_unit_counter_equals_fixed_shares,

@@ -59,7 +59,7 @@ fn cases_on(
     for (n, case) in cases().iter().enumerate() {
         let max_tokens = plan_scale.map(|s| (s * case.tokens).min(65536));
         let run = seed.wrapping_add(n as u64);
-        check_case(&stream, case, run, None, path, backward, max_tokens)?;
+        check_case(&stream, case, run, false, path, backward, max_tokens)?;
         println!("{} {path:?} {backward:?} plan {max_tokens:?} ok", case.name);
     }
     Ok(())
@@ -78,7 +78,7 @@ fn small_batch_on_a_large_plan(ctx: &Arc<CudaContext>) -> Result<(), String> {
 /// Forward + backward captured once, replayed with new x, logits (so new routing), dy and
 /// weights written into the caller's buffers: equal to eager bit for bit (grouped path).
 fn graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    layer_common::graph_replay_case(ctx, &cases()[0], None)
+    layer_common::graph_replay_case(ctx, &cases()[0], false)
 }
 
 /// Bad configurations and inputs are typed errors before any launch.

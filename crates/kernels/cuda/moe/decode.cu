@@ -35,14 +35,12 @@
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
 #include "moefuse/moe/decode_mma.cuh"
-#include "moefuse/moe/decode_rows.hpp"
 #include "moefuse/moe/resident.hpp"
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
 static_assert(sizeof(moefuse_decode_args) == 144, "moefuse_decode_args layout changed: update ffi.rs");
-static_assert(offsetof(moefuse_decode_args, kernels) == 28, "moefuse_decode_args layout changed");
-static_assert(offsetof(moefuse_decode_args, alpha) == 32, "moefuse_decode_args layout changed");
+static_assert(offsetof(moefuse_decode_args, alpha) == 28, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, topk_ids) == 40, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, errors) == 128, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, unit_counter) == 136, "moefuse_decode_args layout changed");
@@ -385,10 +383,8 @@ ResidentBlocks resident_grids() {
 
 moefuse_status check(const moefuse_decode_args* a, const char* name) {
   if (a == nullptr) return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: args is null", name);
-  if (!known_activation(a->activation, a->layout) || a->kernels < MOEFUSE_DECODE_KERNELS_AUTO ||
-      a->kernels > MOEFUSE_DECODE_KERNELS_ROW_DOT) {
-    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: activation %d, layout %d, kernels %d", name, a->activation,
-                a->layout, a->kernels);
+  if (!known_activation(a->activation, a->layout)) {
+    return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: activation %d, layout %d", name, a->activation, a->layout);
   }
   if (a->tokens < 1 || a->tokens > MOEFUSE_DECODE_MAX_TOKENS || a->top_k < 1 || a->top_k > 16 ||
       a->tokens * a->top_k > MOEFUSE_DECODE_MAX_SLOTS || a->experts < 1 || a->experts > decode::kMaxExperts) {
@@ -423,11 +419,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   const char* name = "moefuse_moe_decode_forward";
   if (moefuse_status st = check(a, name); st != MOEFUSE_STATUS_OK) return st;
   auto s = static_cast<cudaStream_t>(stream);
-  if (a->kernels == MOEFUSE_DECODE_KERNELS_ROW_DOT ||
-      (a->kernels == MOEFUSE_DECODE_KERNELS_AUTO && a->tokens <= MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS &&
-       a->tokens * a->top_k <= MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS)) {
-    return decode_rows_launch(*a, s, name);
-  }
   const ResidentBlocks grids = resident_grids();
   // At most min(experts, slots) experts are touched: no block beyond their units.
   const int slots = a->tokens * a->top_k;

@@ -14,37 +14,6 @@ const ROW_ALIGN: u64 = 16;
 /// K elements per MMA step of a lane group: `hidden` and `intermediate` are multiples.
 pub const DECODE_DIM_MULTIPLE: usize = 32;
 
-/// Which pair of decode kernels runs ([`DecodeForward::kernels`]). Both keep the same
-/// contract and are deterministic; their summation orders differ, so their bits do too.
-///
-/// ```
-/// use moefuse_kernels::DecodeKernels;
-/// assert_eq!(DecodeKernels::default(), DecodeKernels::Auto);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DecodeKernels {
-    /// [`DecodeKernels::RowDot`] up to `ffi::MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS` tokens,
-    /// [`DecodeKernels::TensorCore`] beyond. That count is 0 until the row-dot pair has
-    /// run on a GPU (docs/perf-notes.md, sessions 25-26), so today `Auto` is `TensorCore`.
-    #[default]
-    Auto,
-    /// 16-row weight tiles streamed into `mma.sync` (any routing the limits allow).
-    TensorCore,
-    /// Whole weight rows streamed per warp into CUDA-core dot products, for at most
-    /// `ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS` (512) slots.
-    RowDot,
-}
-
-impl DecodeKernels {
-    fn raw(self) -> i32 {
-        match self {
-            DecodeKernels::Auto => ffi::MOEFUSE_DECODE_KERNELS_AUTO,
-            DecodeKernels::TensorCore => ffi::MOEFUSE_DECODE_KERNELS_TENSOR_CORE,
-            DecodeKernels::RowDot => ffi::MOEFUSE_DECODE_KERNELS_ROW_DOT,
-        }
-    }
-}
-
 /// `y[t] = Σ_j w[t,j] · bf16(act(x[t] · W_eᵀ) · D_eᵀ)` for `tokens ≤ 64` (`e = topk_ids[t,j]`),
 /// in two kernels that read each touched expert's weights once: the whole MoE forward
 /// after routing. `h` is its slot-major scratch `[tokens·top_k, I]`. With `row_of` (the
@@ -54,7 +23,7 @@ impl DecodeKernels {
 /// Runs on every arch the MoE kernels are built for (`mma.sync`).
 ///
 /// ```no_run
-/// # use moefuse_kernels::{ActivationKind, DecodeForward, DecodeKernels, GateUpLayout, Kernels};
+/// # use moefuse_kernels::{ActivationKind, DecodeForward, GateUpLayout, Kernels};
 /// # use half::bf16;
 /// # let ctx = cudarc::driver::CudaContext::new(0)?;
 /// # let stream = ctx.default_stream();
@@ -68,7 +37,7 @@ impl DecodeKernels {
 ///     experts: e, kind: ActivationKind::SwiGlu, layout: GateUpLayout::Split,
 ///     topk_ids: &ids, topk_weights: &w, x: &x, w_gate_up: &gate_up, w_down: &down,
 ///     h: &mut h, y: &mut y, row_of: None, h_pre_rows: None, h_rows: None, y_e_rows: None,
-///     errors: None, unit_counter: None, kernels: DecodeKernels::Auto })?;
+///     errors: None, unit_counter: None })?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct DecodeForward<'a> {
@@ -115,9 +84,6 @@ pub struct DecodeForward<'a> {
     /// take more, and the down kernel zeroes it again; or `None`: fixed shares. The same
     /// sums in the same order either way, so the same bits.
     pub unit_counter: Option<&'a mut dyn DevicePtrMut<u32>>,
-    /// Which pair of kernels runs; [`DecodeKernels::RowDot`] with more than 512 slots is
-    /// [`KernelError::Inconsistent`].
-    pub kernels: DecodeKernels,
 }
 
 impl<'a> DecodeForward<'a> {
@@ -158,12 +124,6 @@ impl<'a> DecodeForward<'a> {
             return Err(KernelError::Inconsistent {
                 kernel: kernel.clone(),
                 why: "the expert-major outputs need row_of",
-            });
-        }
-        if self.kernels == DecodeKernels::RowDot && tk > ffi::MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS {
-            return Err(KernelError::Inconsistent {
-                kernel: kernel.clone(),
-                why: "the row-dot decode kernels take at most 512 slots (tokens * top_k, MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS)",
             });
         }
         let width = if self.kind.is_gated() { 2 * i } else { i };
@@ -214,7 +174,6 @@ impl<'a> DecodeForward<'a> {
             experts: to_i32(kernel, "experts", e)?,
             activation,
             layout: self.layout.raw(),
-            kernels: self.kernels.raw(),
             alpha,
             limit,
             topk_ids: topk_ids as *const i32,

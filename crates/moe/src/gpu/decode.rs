@@ -9,7 +9,7 @@ use super::{kernels_for, ActivationDesc, DeviceErrors};
 use crate::{MoeConfig, MoeError};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moefuse_kernels::{self as mk, DecodeKernels, Kernels};
+use moefuse_kernels::{self as mk, Kernels};
 use std::sync::Arc;
 
 /// The most tokens one decode forward takes (the kernels' limit).
@@ -119,16 +119,14 @@ pub fn decode_forward(
     saved: Option<DecodeSaved<'_>>,
     errors: &mut DeviceErrors,
 ) -> Result<(), MoeError> {
-    let choice = DecodeKernels::Auto;
-    decode_forward_with(None, choice, cfg, stream, inputs, h, y, saved, errors)
+    decode_forward_with(None, cfg, stream, inputs, h, y, saved, errors)
 }
 
 /// [`decode_forward`] through `kernels` (the layer's handle), or a handle bound for the
-/// call, running the pair `choice` names.
+/// call.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn decode_forward_with(
     kernels: Option<&Kernels>,
-    choice: DecodeKernels,
     cfg: &MoeConfig,
     stream: &Arc<CudaStream>,
     inputs: DecodeInputs<'_>,
@@ -177,7 +175,6 @@ pub(super) fn decode_forward_with(
             y_e_rows,
             errors: Some(&mut bits),
             unit_counter: Some(&mut unit_counter),
-            kernels: choice,
         },
     )?;
     Ok(())

@@ -72,9 +72,8 @@ pub use fused::{
     FUSED_GATE_UP_M_FIRST_ROWS_PER_EXPERT,
 };
 pub use layer::{
-    ActivationBackwardPath, DecodeKernels, DecodePath, DeviceWeights, GateUpPath, Gradients,
-    LayerMemory, Mode, MoeLayer, MoePlan, MoeWorkspace, Routing, Weights,
-    AUTO_FUSES_ACTIVATION_BACKWARD,
+    ActivationBackwardPath, DecodePath, DeviceWeights, GateUpPath, Gradients, LayerMemory, Mode,
+    MoeLayer, MoePlan, MoeWorkspace, Routing, Weights, AUTO_FUSES_ACTIVATION_BACKWARD,
 };
 pub use permute::{combine, combine_backward, permute};
 pub use router::{route, route_backward};

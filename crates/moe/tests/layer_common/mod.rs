@@ -6,8 +6,8 @@
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use moefuse::gpu::{
-    ActivationBackwardPath, DecodeKernels, DecodePath, DeviceWeights, GateUpPath, Mode, MoeLayer,
-    MoePlan, MoeWorkspace, Routing,
+    ActivationBackwardPath, DecodePath, DeviceWeights, GateUpPath, Mode, MoeLayer, MoePlan,
+    MoeWorkspace, Routing,
 };
 use moefuse::model::MoeWeights;
 use moefuse::reference::RoutingInput;
@@ -312,20 +312,18 @@ pub fn check_dots(
     Ok(worst)
 }
 
-/// The decode path with the pair `decode` names, or (`None`) the grouped-GEMM path.
-fn set_decode(layer: &mut MoeLayer, decode: Option<DecodeKernels>) {
-    match decode {
-        Some(kernels) => {
-            layer.set_decode_path(DecodePath::Always);
-            layer.set_decode_kernels(kernels);
-        }
-        None => layer.set_decode_path(DecodePath::Never),
-    }
+/// The decode path (`decode`) or the grouped-GEMM path.
+fn set_decode(layer: &mut MoeLayer, decode: bool) {
+    layer.set_decode_path(if decode {
+        DecodePath::Always
+    } else {
+        DecodePath::Never
+    });
 }
 
 /// One forward + backward of `case` on the GPU against the reference.
 ///
-/// With `decode`, the layer takes the decode path with that pair of kernels wherever it
+/// With `decode`, the layer takes the decode path wherever it
 /// can run (`T <= 64`, [`DecodePath::Always`]), else the grouped-GEMM path at every `T`.
 /// `max_tokens`: the layer's plan (the forward's GEMMs take the band of the call's rows per
 /// expert, the backward's the plan's); `None` plans for the case's tokens plus 17.
@@ -333,7 +331,7 @@ pub fn check_case(
     stream: &Arc<CudaStream>,
     case: &Case,
     seed: u64,
-    decode: Option<DecodeKernels>,
+    decode: bool,
     gate_up: GateUpPath,
     activation_backward: ActivationBackwardPath,
     max_tokens: Option<usize>,
@@ -469,11 +467,7 @@ pub fn check_case(
 /// Forward + backward captured once, replayed with new x, logits (so new routing), dy and
 /// weights written into the caller's buffers: equal to eager bit for bit; `decode` as for
 /// [`check_case`].
-pub fn graph_replay_case(
-    ctx: &Arc<CudaContext>,
-    case: &Case,
-    decode: Option<DecodeKernels>,
-) -> Result<(), String> {
+pub fn graph_replay_case(ctx: &Arc<CudaContext>, case: &Case, decode: bool) -> Result<(), String> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     // A fresh handle on the device's primary context that never creates a stream of its
     // own stays out of cudarc's multi-stream mode, so cudarc records no per-buffer events

@@ -299,18 +299,6 @@ moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* arg
  */
 #define MOEFUSE_DECODE_MAX_TOKENS 64
 #define MOEFUSE_DECODE_MAX_SLOTS 1024
-/* Which pair of kernels runs (moefuse_decode_args.kernels): AUTO takes ROW_DOT up to
- * MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS tokens and TENSOR_CORE beyond (0, so TENSOR_CORE
- * always, until the row-dot pair has run on a GPU: docs/perf-notes.md, sessions 25-26); TENSOR_CORE streams
- * 16-row weight tiles into mma.sync (decode.cu, any routing the limits above allow);
- * ROW_DOT streams whole weight rows per warp into CUDA-core dot products (decode_rows.cu,
- * at most MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS slots). Same contract, different summation
- * orders: each deterministic, not bit-equal to each other. */
-#define MOEFUSE_DECODE_KERNELS_AUTO 0
-#define MOEFUSE_DECODE_KERNELS_TENSOR_CORE 1
-#define MOEFUSE_DECODE_KERNELS_ROW_DOT 2
-#define MOEFUSE_DECODE_ROW_DOT_AUTO_TOKENS 0
-#define MOEFUSE_DECODE_ROW_DOT_MAX_SLOTS 512
 typedef struct moefuse_decode_args {
   int32_t tokens;
   int32_t top_k;
@@ -319,7 +307,6 @@ typedef struct moefuse_decode_args {
   int32_t experts;
   int32_t activation;           /* MOEFUSE_ACTIVATION_* */
   int32_t layout;               /* MOEFUSE_GATE_UP_SPLIT or _INTERLEAVED */
-  int32_t kernels;              /* MOEFUSE_DECODE_KERNELS_* */
   float alpha;                  /* SWIGLU_OAI's alpha */
   float limit;                  /* the clamped activations' limit */
   const int32_t* topk_ids;      /* [tokens, top_k] */

@@ -71,7 +71,6 @@ macro_rules! cx {
             stream: &$layer.stream,
             gemm: &$layer.gemm,
             act: &$layer.act,
-            decode_kernels: $layer.decode_kernels,
         }
     };
 }
@@ -86,7 +85,6 @@ mod weights;
 mod workspace;
 
 pub use backward_path::{ActivationBackwardPath, AUTO_FUSES_ACTIVATION_BACKWARD};
-pub use moefuse_kernels::DecodeKernels;
 pub use plan::{LayerMemory, Mode, MoePlan};
 pub use weights::{DeviceWeights, Weights};
 pub use workspace::MoeWorkspace;
@@ -270,8 +268,6 @@ pub struct MoeLayer {
     activation_backward_path: ActivationBackwardPath,
     /// When forwards run the decode kernels.
     decode_path: DecodePath,
-    /// Which pair of decode kernels they run.
-    decode_kernels: DecodeKernels,
 }
 
 impl MoeLayer {
@@ -333,7 +329,6 @@ impl MoeLayer {
             gate_up_path: GateUpPath::Auto,
             activation_backward_path: ActivationBackwardPath::Auto,
             decode_path: DecodePath::Auto,
-            decode_kernels: DecodeKernels::Auto,
         })
     }
 
@@ -370,38 +365,6 @@ impl MoeLayer {
     /// ```
     pub fn set_decode_path(&mut self, path: DecodePath) {
         self.decode_path = path;
-    }
-
-    /// Which pair of decode kernels the decode path runs ([`DecodeKernels::Auto`] by
-    /// default: the tensor-core kernels until the row-dot ones have been measured on a
-    /// GPU, then the row-dot kernels for the fewest tokens).
-    ///
-    /// ```no_run
-    /// # use moefuse::{gpu::{DecodeKernels, Mode, MoeLayer, MoePlan}, MoeConfig};
-    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
-    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
-    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
-    /// assert_eq!(layer.decode_kernels(), DecodeKernels::Auto);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn decode_kernels(&self) -> DecodeKernels {
-        self.decode_kernels
-    }
-
-    /// Sets which pair of decode kernels the decode path runs; see
-    /// [`MoeLayer::decode_kernels`]. [`DecodeKernels::RowDot`] takes at most 512 slots
-    /// (`T · top_k`): a forward beyond is an error before any launch.
-    ///
-    /// ```no_run
-    /// # use moefuse::{gpu::{DecodeKernels, Mode, MoeLayer, MoePlan}, MoeConfig};
-    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
-    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
-    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
-    /// layer.set_decode_kernels(DecodeKernels::TensorCore); // mma.sync tiles for every T
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn set_decode_kernels(&mut self, kernels: DecodeKernels) {
-        self.decode_kernels = kernels;
     }
 
     /// The gate_up path a forward of `tokens` tokens runs ([`GateUpPath::Auto`] resolved).

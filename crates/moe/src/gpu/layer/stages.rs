@@ -27,7 +27,6 @@ pub(super) struct Cx<'l> {
     pub(super) stream: &'l Arc<CudaStream>,
     pub(super) gemm: &'l GroupedGemm,
     pub(super) act: &'l ActivationDesc,
-    pub(super) decode_kernels: moefuse_kernels::DecodeKernels,
 }
 
 /// The routing a forward runs on: the layer's buffers, or the caller's read in place.
@@ -229,7 +228,7 @@ impl Cx<'_> {
             down: &w.down,
         };
         let (k, c, s) = (self.kernels(), self.plan.config(), self.stream);
-        decode_forward_with(k, self.decode_kernels, c, s, inputs, h, y, saved, errors)
+        decode_forward_with(k, c, s, inputs, h, y, saved, errors)
     }
 
     /// One grouped GEMM over the expert-major rows `offsets` delimits.

@@ -1,4 +1,4 @@
-// Building blocks of the decode forward (moe/decode.cu, moe/decode_rows.cu): the per-block
+// Building blocks of the decode forward (moe/decode.cu): the per-block
 // routing table, a slot's output stores, and the register-direct MMA loop that streams 16
 // weight rows against up to 64 routed rows.
 #pragma once
@@ -138,7 +138,7 @@ struct Groups {
   }
 };
 
-// ---- a slot's outputs (both decode pairs: decode.cu, decode_rows.cu) --------------------
+// ---- a slot's outputs -------------------------------------------------------------------
 
 __device__ __forceinline__ uint16_t bf16_bits(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
@@ -174,8 +174,8 @@ __device__ __forceinline__ void store_y_e(const moefuse_decode_args& a, int s, i
 }
 
 // Token t's output at one column: w * y_e over its valid slots in slot order (fp32), the
-// y_e of the slot at routing position p read at y_e[p * stride]. The one fixed order both
-// decode pairs combine in.
+// y_e of the slot at routing position p read at y_e[p * stride]: the one fixed order of the
+// decode combine.
 __device__ __forceinline__ float combine_token(const moefuse_decode_args& a, const Routing& rt, int t,
                                                const float* y_e, int stride) {
   float v = 0.f;

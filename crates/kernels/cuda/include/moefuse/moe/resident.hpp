@@ -1,5 +1,5 @@
 // Resident blocks per device of a decode kernel pair (gate_up, down), looked up once per
-// device: both decode pairs (moe/decode.cu, moe/decode_rows.cu) size their grids by it.
+// device: the decode pair (moe/decode.cu) sizes its grids by it.
 #pragma once
 
 #include <cuda_runtime.h>
