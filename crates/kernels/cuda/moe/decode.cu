@@ -142,58 +142,13 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
   }
 }
 
-// Units of at most this many bytes (16 rows of W_e) are prefetched one ahead: 264 blocks x
-// 64 KB = 17 MB of L2. Larger rows (Mixtral, DeepSeek-V3) stream at 3.0-3.2 TB/s on the
-// H100 without it, and their next units would not fit in L2 beside the current ones.
-constexpr int kPrefetchUnitBytes = 64 * 1024;
-
-// The kernels' `options` (MOEFUSE_DECODE_OPTIONS, a bit mask; each opt-in until measured):
-// the gate_up prefetches its next unit's rows into L2, and the down weights once its units
-// run out; both kernels load 4 chunks per batch instead of 8 with one column block (all of
-// a batch's loads then issue before its first MMA: with 8 ptxas starts the MMAs before the
-// last loads at 128 registers).
-constexpr int kPrefetchNextUnit = 1;
-constexpr int kPrefetchDownTail = 2;
+// The kernels' `options` (MOEFUSE_DECODE_OPTIONS, a bit mask; opt-in until measured): both
+// kernels load 4 chunks per batch instead of 8 with one column block (all of a batch's loads
+// then issue before its first MMA: with 8, ptxas starts the MMAs before the last loads at
+// 128 registers). NOTES: two L2 prefetches from the gate_up kernel (its next unit's rows;
+// the down weights once its units ran out) were 13-19 % slower at every Qwen3-30B-A3B T on
+// the H100 (docs/perf-notes.md, "Session 28") and are removed.
 constexpr int kNarrowBatch = 4;
-// The tail prefetch only while the touched down weights take at most this much of L2
-// (Qwen3-30B-A3B at T = 1: 25 MB; the H100's L2 is 50 MB).
-constexpr size_t kPrefetchDownBytes = size_t(32) << 20;
-
-// Every 128-byte line of unit v's 16 rows of W_e (whole rows) into L2, spread over the
-// block's threads. NOTES: the unit loop is batch-synchronous (a unit's loads start after
-// the previous unit's stores and barriers), and at Qwen3-30B-A3B's hidden of 2048 one
-// batch is the whole unit, so each unit paid a DRAM round trip (H100, T = 1: 2.15 TB/s
-// against 3.0-3.2 for the larger models); prefetched while the current unit streams, the
-// next one's loads meet L2.
-__device__ void prefetch_unit(const moefuse_decode_args& a, const Routing& rt, int v, int units, int tiles,
-                              int width) {
-  if (v >= units) return;
-  const int ti = v / tiles, tile = v - ti * tiles;
-  const uint16_t* w = a.w_gate_up + size_t(rt.expert[ti]) * width * a.hidden;
-  const int lines = a.hidden * 2 / 128;  // hidden: a multiple of 64
-  for (int i = threadIdx.x; i < 16 * lines; i += blockDim.x) {
-    const int r = i / lines, line = i - r * lines;
-    int lo, hi;
-    tile_rows(a, tile, r & 7, lo, hi);
-    decode::prefetch_l2(w + size_t(r < 8 ? lo : hi) * a.hidden + line * 64);
-  }
-}
-
-// Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
-// up to kPrefetchBytes per block (all blocks together stay well inside L2).
-constexpr int kPrefetchBytes = 192 * 1024;
-
-__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0) {
-  const int lines_per_row = a.intermediate * 2 / 128;
-  const int per_expert = 16 * lines_per_row;
-  const int total = min(rt.touched * per_expert, kPrefetchBytes / 128);
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int ti = i / per_expert, rest = i - ti * per_expert, row = rest / lines_per_row;
-    const int line = rest - row * lines_per_row;
-    const uint16_t* p = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0 + row) * a.intermediate + line * 64;
-    decode::prefetch_l2(p);
-  }
-}
 
 // A block takes its units (touched expert, 16 rows of W_e) statically (blockIdx.x,
 // blockIdx.x + gridDim.x, ...) or, with a.unit_counter (zero at the launch), from a counter
@@ -201,8 +156,7 @@ __device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, i
 // and the gate_up ends together (H100: 1-3.5 % faster at T = 8..64, docs/perf-notes.md).
 // The down kernel zeroes the counter again.
 template <int U1>
-__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a, int options) {
-  const bool next_unit = options & kPrefetchNextUnit;
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
   __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
@@ -237,36 +191,12 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
       const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
       const int* slots = sm.routing.slot + first + base;
       __syncthreads();  // the previous group's partials are read (and sm.next written)
-      if (next_unit && base == 0) {
-        prefetch_unit(a, sm.routing, counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x), units, tiles,
-                      width);
-      }
       if (blocks == 1) gate_up_partial<1, U1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       else gate_up_partial<2, U1 / 2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
       gate_up_store(a, sm, slots, n, tile, blocks);
     }
     u = counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x);
-  }
-  // Out of gate_up units: while the other blocks finish theirs, pull the down kernel's
-  // weights into L2, one y tile (16 rows of every touched D_e) per item, the items taken
-  // past the last unit from the same counter (or statically). The down kernel's blocks
-  // would prefetch the same tiles only once both gate_up blocks of their SM have exited.
-  const size_t down_bytes = size_t(sm.routing.touched) * a.hidden * a.intermediate * 2;
-  if (!(options & kPrefetchDownTail) || down_bytes > kPrefetchDownBytes) return;
-  const int tiles_y = a.hidden / 16;
-  for (int i = 0; u < units + tiles_y; ++i) {
-    int next = u + int(gridDim.x);
-    if (counter != nullptr) {
-      __syncthreads();  // every thread has read sm.next[i & 1]'s last value
-      if (threadIdx.x == 0) sm.next[i & 1] = int(atomicAdd(counter, 1u));
-    }
-    prefetch_tile(a, sm.routing, (u - units) * 16);
-    if (counter != nullptr) {
-      __syncthreads();
-      next = sm.next[i & 1];
-    }
-    u = next;
   }
 }
 
@@ -276,6 +206,22 @@ struct DownShared {
   Routing routing;
   decode::Groups groups;
 };
+
+// Every 128-byte line of the 16 rows of D_e at column d0 for the touched experts, into L2,
+// up to kPrefetchBytes per block (all blocks together stay well inside L2).
+constexpr int kPrefetchBytes = 192 * 1024;
+
+__device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, int d0) {
+  const int lines_per_row = a.intermediate * 2 / 128;
+  const int per_expert = 16 * lines_per_row;
+  const int total = min(rt.touched * per_expert, kPrefetchBytes / 128);
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int ti = i / per_expert, rest = i - ti * per_expert, row = rest / lines_per_row;
+    const int line = rest - row * lines_per_row;
+    const uint16_t* p = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0 + row) * a.intermediate + line * 64;
+    decode::prefetch_l2(p);
+  }
+}
 
 template <int NB, int U1>
 __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
@@ -438,17 +384,13 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  // The options run only when MOEFUSE_DECODE_OPTIONS names them (a bit mask: 1 the next
-  // unit's prefetch, 2 the down weights' in the gate_up's tail, 4 the narrow batch) until
-  // measured (benches/decode_ab.sh sets it per tensor-core arm).
-  static const int options_allowed = [] {
+  // The narrow batches run only when MOEFUSE_DECODE_OPTIONS names them (bit 4) until
+  // measured (benches/decode_ab.sh sets it per arm).
+  static const bool narrow = [] {
     const char* v = std::getenv("MOEFUSE_DECODE_OPTIONS");
-    const int bits = v != nullptr ? std::atoi(v) : 0;
-    return bits & (kPrefetchNextUnit | kPrefetchDownTail | kNarrowBatch);
+    return v != nullptr && (std::atoi(v) & kNarrowBatch) != 0;
   }();
-  int options = options_allowed;
-  if (16 * a->hidden * 2 > kPrefetchUnitBytes) options &= ~kPrefetchNextUnit;
-  if (cudaLaunchKernelEx(&up, (options & kNarrowBatch) ? decode_gate_up_kernel<4> : decode_gate_up_kernel<8>, *a, options) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&up, narrow ? decode_gate_up_kernel<4> : decode_gate_up_kernel<8>, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
@@ -463,6 +405,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   launch.stream = s;
   launch.attrs = attr;
   launch.numAttrs = 1;
-  if (cudaLaunchKernelEx(&launch, (options & kNarrowBatch) ? decode_down_kernel<4> : decode_down_kernel<8>, *a, split_cap) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&launch, narrow ? decode_down_kernel<4> : decode_down_kernel<8>, *a, split_cap) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }
