@@ -30,10 +30,10 @@ say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --f
 OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
 say "decode_gpu done"
 # An arm: NAME=OPTIONS (MOEFUSE_DECODE_OPTIONS: a bit mask of the decode kernels' opt-in
-# variants, 4 batches of 4 chunks instead of 8; 1 and 2, two L2 prefetches, lost 13-19 %
-# on 2026-12-07 and are not run). The first arm runs again last on
+# variants, 4 batches of 4 chunks instead of 8, 8 the software-pipelined gate_up at hidden
+# 2048; 1 and 2, two L2 prefetches, lost 13-19 % on 2026-12-07 and are removed). The first arm runs again last on
 # Qwen3 ("again"), so drift between arms shows.
-arm_list="as_built=0 narrow=4 again=0"
+arm_list="as_built=0 narrow=4 pipelined=8 again=0"
 arms=$(for a in $arm_list; do printf '%s ' "${a%%=*}"; done)
 ab() { # MODELS TOKENS ARM...
   local models=$1 tokens=$2 a name options

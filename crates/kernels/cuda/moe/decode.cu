@@ -61,10 +61,13 @@ constexpr int kPartFloats = 20480;
 
 // ---- gate_up ----------------------------------------------------------------------------
 
+// The eight warps' MMA partials of one group: [warp][column block][lane][fragment].
+using GateUpPartials = float[kGateUpWarps][kMaxGroupBlocks][32][4];
+
 struct GateUpShared {
   Routing routing;
   int next[2];  // the block's next units (unit_counter)
-  float partial[kGateUpWarps][kMaxGroupBlocks][32][4];
+  GateUpPartials partial;
 };
 
 // The two rows of W_e a lane's fragments hold for tile `tile`: (row g, row g + 8) of the
@@ -106,8 +109,8 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, 
   }
 }
 
-__device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, const int* slots, int n, int tile,
-                              int blocks) {
+__device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials& partial, const int* slots, int n,
+                              int tile, int blocks) {
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
   for (int i = threadIdx.x; i < blocks * 32; i += blockDim.x) {
@@ -117,7 +120,7 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
     for (int r = 0; r < 4; ++r) {
       float v = 0.f;
 #pragma unroll
-      for (int w = 0; w < kGateUpWarps; ++w) v += sm.partial[w][nb][lane][r];
+      for (int w = 0; w < kGateUpWarps; ++w) v += partial[w][nb][lane][r];
       c[r] = v;
     }
     int lo, hi;
@@ -149,6 +152,9 @@ __device__ void gate_up_store(const moefuse_decode_args& a, GateUpShared& sm, co
 // the down weights once its units ran out) were 13-19 % slower at every Qwen3-30B-A3B T on
 // the H100 (docs/perf-notes.md, "Session 28") and are removed.
 constexpr int kNarrowBatch = 4;
+// Bit 8: the software-pipelined gate_up (decode_gate_up_pipelined_kernel) where hidden is
+// 2048 (a warp's share of a unit is one batch of 8 chunks: Qwen3-30B-A3B).
+constexpr int kPipelined = 8;
 
 // A block takes its units (touched expert, 16 rows of W_e) statically (blockIdx.x,
 // blockIdx.x + gridDim.x, ...) or, with a.unit_counter (zero at the launch), from a counter
@@ -194,9 +200,107 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
       if (blocks == 1) gate_up_partial<1, U1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       else gate_up_partial<2, U1 / 2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
-      gate_up_store(a, sm, slots, n, tile, blocks);
+      gate_up_store(a, sm.partial, slots, n, tile, blocks);
     }
     u = counter != nullptr ? sm.next[(i + 1) & 1] : u + int(gridDim.x);
+  }
+}
+
+// ---- gate_up, pipelined (opt-in: kPipelined) -------------------------------------------
+
+// The pipelined gate_up's units: (group of at most 8 slots of one touched expert, 16 rows
+// of W_e), for hidden = 8 * kGateUpWarps chunks, so that a warp's share of a unit is one
+// batch of 8 chunks.
+constexpr int kPipelinedChunks = 8;
+
+struct GateUpPipelinedShared {
+  Routing routing;
+  decode::Groups groups;
+  int unit[3];                 // the units of iterations i, i + 1, i + 2 (at i % 3)
+  GateUpPartials partial[2];   // iteration i's at i & 1
+};
+
+// The A rows of one unit (a warp's 8 chunks of rows lo and hi), loaded in one batch.
+struct UnitRows {
+  uint4 lo[kPipelinedChunks], hi[kPipelinedChunks];
+};
+
+__device__ __forceinline__ void unit_rows_of(const moefuse_decode_args& a, const GateUpPipelinedShared& sm, int unit,
+                                             int tiles, int width, const uint16_t*& w_lo, const uint16_t*& w_hi) {
+  const int gi = unit / tiles, tile = unit - gi * tiles, g = (threadIdx.x & 31) >> 2;
+  int lo, hi;
+  tile_rows(a, tile, g, lo, hi);
+  const uint16_t* w = a.w_gate_up + size_t(sm.routing.expert[sm.groups.touched[gi]]) * width * a.hidden;
+  w_lo = w + size_t(lo) * a.hidden;
+  w_hi = w + size_t(hi) * a.hidden;
+}
+
+__device__ __forceinline__ void issue_unit(const moefuse_decode_args& a, const GateUpPipelinedShared& sm, int unit,
+                                           int tiles, int width, int c0, UnitRows& r) {
+  const uint16_t *w_lo, *w_hi;
+  unit_rows_of(a, sm, unit, tiles, width, w_lo, w_hi);
+  const int k8 = (threadIdx.x & 3) * 8;
+#pragma unroll
+  for (int u = 0; u < kPipelinedChunks; ++u) {
+    r.lo[u] = decode::load_stream(w_lo + (c0 + u) * kChunk + k8);
+    r.hi[u] = decode::load_stream(w_hi + (c0 + u) * kChunk + k8);
+  }
+}
+
+// The same gate_up as decode_gate_up_kernel (the same sums in the same order, so the same
+// bits), with the unit loop software-pipelined: a warp issues its next unit's loads right
+// after its MMAs of the current one, before the block barrier, and the current unit's sum,
+// activation and stores (warp 0) run while they are in flight. One barrier per unit (the
+// partials alternate between two buffers). An expert with more than 8 slots takes several
+// groups (the general kernel's 16-column pass holds the same per-column sums). Needs
+// hidden = kGateUpWarps * kPipelinedChunks * kChunk (2048).
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined_kernel(moefuse_decode_args a) {
+  __shared__ GateUpPipelinedShared sm;
+  decode::wait_for_prerequisite();
+  decode::allow_dependent_launch();
+  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
+  sm.groups.build(sm.routing, 8);
+  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
+  const int width = gated ? 2 * a.intermediate : a.intermediate;
+  const int tiles = width / 16;
+  const int units = sm.groups.count * tiles;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, k8 = (lane & 3) * 8;
+  const int c0 = warp * kPipelinedChunks;
+  uint32_t* counter = a.unit_counter;
+  auto take = [&](int i) { return counter != nullptr ? int(atomicAdd(counter, 1u)) : int(blockIdx.x + i * gridDim.x); };
+  if (threadIdx.x == 0) {
+    sm.unit[0] = take(0);
+    sm.unit[1] = take(1);
+  }
+  __syncthreads();
+  int u = sm.unit[0];
+  UnitRows rows;
+  if (u < units) issue_unit(a, sm, u, tiles, width, c0, rows);
+  for (int i = 0; u < units; ++i) {
+    const int next = sm.unit[(i + 1) % 3];
+    // The unit of iteration i + 2: its slot was last read (as iteration i - 1's unit)
+    // before the barrier of iteration i - 1.
+    if (threadIdx.x == 0) sm.unit[(i + 2) % 3] = take(i + 2);
+    const int gi = u / tiles, tile = u - gi * tiles, ti = sm.groups.touched[gi];
+    const int first = sm.routing.start[ti] + sm.groups.base[gi];
+    const int n = min(sm.routing.start[ti + 1] - first, 8);
+    const int* slots = sm.routing.slot + first;
+    const uint32_t b_off = uint32_t(slots[g < n ? g : 0] / a.top_k) * uint32_t(a.hidden);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < kPipelinedChunks; ++c) {
+      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(a.x + b_off + (c0 + c) * kChunk + k8));
+      decode::mma_chunk(acc, rows.lo[c], rows.hi[c], bv);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sm.partial[i & 1][warp][0][lane][r] = acc[r];
+    if (next < units) issue_unit(a, sm, next, tiles, width, c0, rows);
+    // partial[i & 1] is complete. Iteration i + 1 writes the other buffer, and iteration
+    // i + 2 this one only after the barrier of i + 1, which every thread reaches after its
+    // stores below.
+    __syncthreads();
+    gate_up_store(a, sm.partial[i & 1], slots, n, tile, 1);
+    u = next;
   }
 }
 
@@ -384,13 +488,18 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  // The narrow batches run only when MOEFUSE_DECODE_OPTIONS names them (bit 4) until
-  // measured (benches/decode_ab.sh sets it per arm).
-  static const bool narrow = [] {
+  // The variants run only when MOEFUSE_DECODE_OPTIONS names them (a bit mask: 4 narrow
+  // batches, 8 the pipelined gate_up) until measured (benches/decode_ab.sh sets it per arm).
+  static const int options = [] {
     const char* v = std::getenv("MOEFUSE_DECODE_OPTIONS");
-    return v != nullptr && (std::atoi(v) & kNarrowBatch) != 0;
+    return v != nullptr ? std::atoi(v) & (kNarrowBatch | kPipelined) : 0;
   }();
-  if (cudaLaunchKernelEx(&up, narrow ? decode_gate_up_kernel<4> : decode_gate_up_kernel<8>, *a) != cudaSuccess) return after_launch(name);
+  const bool narrow = options & kNarrowBatch;
+  const bool pipelined = (options & kPipelined) && a->hidden == kGateUpWarps * kPipelinedChunks * kChunk;
+  auto* gate_up = pipelined ? decode_gate_up_pipelined_kernel
+                  : narrow  ? decode_gate_up_kernel<4>
+                            : decode_gate_up_kernel<8>;
+  if (cudaLaunchKernelEx(&up, gate_up, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
   // few experts are touched; a token names top_k distinct experts, so at least top_k are
