@@ -4,7 +4,7 @@
 #
 #   benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]
 #
-# 1. the decode_gpu suite;
+# 1. the decode_gpu suite, as built and with each opt-in variant;
 # 2. bench_moe on the decode kernels as built and with each opt-in variant of
 #    MOEFUSE_DECODE_OPTIONS (the arms below), Qwen3-30B-A3B at T = 1..64 (every arm, the
 #    first again last), Mixtral-8x7B at T = 1..8 and DeepSeek-V3 at T = 1..4 (as built and
@@ -27,8 +27,11 @@ mkdir -p "$out"
 left() { echo $((budget - ($(date +%s) - t0))); }
 say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
 say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
-OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
-say "decode_gpu done"
+# decode_gpu as built, then with each opt-in variant (the same cases through the other kernels)
+for options in 0 4 8; do
+  OUT=$logs/tests_$options MOEFUSE_DECODE_OPTIONS=$options timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
+  say "decode_gpu with MOEFUSE_DECODE_OPTIONS=$options done"
+done
 # An arm: NAME=OPTIONS (MOEFUSE_DECODE_OPTIONS: a bit mask of the decode kernels' opt-in
 # variants, 4 batches of 4 chunks instead of 8, 8 the software-pipelined gate_up at hidden
 # 2048; 1 and 2, two L2 prefetches, lost 13-19 % on 2026-12-07 and are removed). The first arm runs again last on
@@ -101,6 +104,6 @@ for a in as_built=0 narrow=4; do
   [ -f "$out/ncu/$name/ncu.source.csv" ] && xz -9 "$out/ncu/$name/ncu.source.csv"
 done
 tar -cf "$out/ncu.tar" -C "$out" ncu 2>/dev/null && rm -rf "$out/ncu"
-cp "$logs/tests/tests.log" "$logs/" 2>/dev/null
+for options in 0 4 8; do cp "$logs/tests_$options/tests.log" "$logs/tests_$options.log" 2>/dev/null; done
 tar -czf "$out/logs.tgz" -C "$logs" .
 cat "$summary"

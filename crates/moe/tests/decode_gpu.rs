@@ -137,6 +137,21 @@ fn decode_cases() -> Vec<Case> {
             40,
             Route::Ours,
         ),
+        // Hidden 2048: the sizes the opt-in pipelined gate_up takes (MOEFUSE_DECODE_OPTIONS=8,
+        // benches/decode_ab.sh runs this suite with it), top-8 at 3 tokens, and ~10 slots per
+        // expert (two 8-slot groups there, one 16-column pass in the general kernel).
+        c(
+            "swiglu_hidden2048_t3_top8",
+            MoeConfig::new(2048, 128, 32, 8),
+            3,
+            Route::Ours,
+        ),
+        c(
+            "relu2_hidden2048_two_groups_t20",
+            MoeConfig::new(2048, 128, 2, 1).with_activation(Activation::Relu2),
+            20,
+            Route::Ours,
+        ),
         c(
             "swiglu_all_on_one_expert_t3",
             MoeConfig::new(128, 256, 2, 1).with_router(RouterKind::External),
