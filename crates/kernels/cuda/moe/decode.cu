@@ -152,8 +152,8 @@ __device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials
 // the down weights once its units ran out) were 13-19 % slower at every Qwen3-30B-A3B T on
 // the H100 (docs/perf-notes.md, "Session 28") and are removed.
 constexpr int kNarrowBatch = 4;
-// Bit 8: the software-pipelined gate_up (decode_gate_up_pipelined_kernel) where hidden is
-// 2048 (a warp's share of a unit is one batch of 8 chunks: Qwen3-30B-A3B).
+// Bit 8: the software-pipelined gate_up (decode_gate_up_pipelined_kernel) where hidden is at
+// most 2048 (a warp's share of a unit is one batch of at most 8 chunks: Qwen3-30B-A3B).
 constexpr int kPipelined = 8;
 
 // A block takes its units (touched expert, 16 rows of W_e) statically (blockIdx.x,
@@ -209,8 +209,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
 // ---- gate_up, pipelined (opt-in: kPipelined) -------------------------------------------
 
 // The pipelined gate_up's units: (group of at most 8 slots of one touched expert, 16 rows
-// of W_e), for hidden = 8 * kGateUpWarps chunks, so that a warp's share of a unit is one
-// batch of 8 chunks.
+// of W_e), for hidden of at most 8 * kGateUpWarps chunks (2048), so that a warp's share of a
+// unit is one batch of at most 8 chunks.
 constexpr int kPipelinedChunks = 8;
 
 struct GateUpPipelinedShared {
@@ -235,15 +235,19 @@ __device__ __forceinline__ void unit_rows_of(const moefuse_decode_args& a, const
   w_hi = w + size_t(hi) * a.hidden;
 }
 
+// The warp's nc (1..8) chunks from c0; the places past nc reload the last chunk (unused:
+// the MMAs skip them; the barrier between these loads and their MMAs keeps ptxas from
+// starting any MMA before the last load).
 __device__ __forceinline__ void issue_unit(const moefuse_decode_args& a, const GateUpPipelinedShared& sm, int unit,
-                                           int tiles, int width, int c0, UnitRows& r) {
+                                           int tiles, int width, int c0, int nc, UnitRows& r) {
   const uint16_t *w_lo, *w_hi;
   unit_rows_of(a, sm, unit, tiles, width, w_lo, w_hi);
   const int k8 = (threadIdx.x & 3) * 8;
 #pragma unroll
   for (int u = 0; u < kPipelinedChunks; ++u) {
-    r.lo[u] = decode::load_stream(w_lo + (c0 + u) * kChunk + k8);
-    r.hi[u] = decode::load_stream(w_hi + (c0 + u) * kChunk + k8);
+    const int c = c0 + min(u, nc - 1);
+    r.lo[u] = decode::load_stream(w_lo + c * kChunk + k8);
+    r.hi[u] = decode::load_stream(w_hi + c * kChunk + k8);
   }
 }
 
@@ -253,7 +257,8 @@ __device__ __forceinline__ void issue_unit(const moefuse_decode_args& a, const G
 // activation and stores (warp 0) run while they are in flight. One barrier per unit (the
 // partials alternate between two buffers). An expert with more than 8 slots takes several
 // groups (the general kernel's 16-column pass holds the same per-column sums). Needs
-// hidden = kGateUpWarps * kPipelinedChunks * kChunk (2048).
+// hidden <= kGateUpWarps * kPipelinedChunks * kChunk (2048); a warp with no chunk (hidden
+// below 256) adds a zero partial, as in the general kernel.
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined_kernel(moefuse_decode_args a) {
   __shared__ GateUpPipelinedShared sm;
   decode::wait_for_prerequisite();
@@ -265,7 +270,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined
   const int tiles = width / 16;
   const int units = sm.groups.count * tiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, k8 = (lane & 3) * 8;
-  const int c0 = warp * kPipelinedChunks;
+  const int chunks = a.hidden / kChunk;
+  const int c0 = chunks * warp / kGateUpWarps, nc = chunks * (warp + 1) / kGateUpWarps - c0;
   uint32_t* counter = a.unit_counter;
   auto take = [&](int i) { return counter != nullptr ? int(atomicAdd(counter, 1u)) : int(blockIdx.x + i * gridDim.x); };
   if (threadIdx.x == 0) {
@@ -275,7 +281,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined
   __syncthreads();
   int u = sm.unit[0];
   UnitRows rows;
-  if (u < units) issue_unit(a, sm, u, tiles, width, c0, rows);
+  if (u < units && nc > 0) issue_unit(a, sm, u, tiles, width, c0, nc, rows);
   for (int i = 0; u < units; ++i) {
     const int next = sm.unit[(i + 1) % 3];
     // The unit of iteration i + 2: its slot was last read (as iteration i - 1's unit)
@@ -289,12 +295,14 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int c = 0; c < kPipelinedChunks; ++c) {
-      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(a.x + b_off + (c0 + c) * kChunk + k8));
-      decode::mma_chunk(acc, rows.lo[c], rows.hi[c], bv);
+      if (c < nc) {
+        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(a.x + b_off + (c0 + c) * kChunk + k8));
+        decode::mma_chunk(acc, rows.lo[c], rows.hi[c], bv);
+      }
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) sm.partial[i & 1][warp][0][lane][r] = acc[r];
-    if (next < units) issue_unit(a, sm, next, tiles, width, c0, rows);
+    if (next < units && nc > 0) issue_unit(a, sm, next, tiles, width, c0, nc, rows);
     // partial[i & 1] is complete. Iteration i + 1 writes the other buffer, and iteration
     // i + 2 this one only after the barrier of i + 1, which every thread reaches after its
     // stores below.
@@ -495,7 +503,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
     return v != nullptr ? std::atoi(v) & (kNarrowBatch | kPipelined) : 0;
   }();
   const bool narrow = options & kNarrowBatch;
-  const bool pipelined = (options & kPipelined) && a->hidden == kGateUpWarps * kPipelinedChunks * kChunk;
+  const bool pipelined = (options & kPipelined) && a->hidden <= kGateUpWarps * kPipelinedChunks * kChunk;
   auto* gate_up = pipelined ? decode_gate_up_pipelined_kernel
                   : narrow  ? decode_gate_up_kernel<4>
                             : decode_gate_up_kernel<8>;
