@@ -10,9 +10,10 @@
 #    first again last), Mixtral-8x7B at T = 1..8 and DeepSeek-V3 at T = 1..4 (as built and
 #    narrow), JSON lines in OUT_DIR/ab/<arm>.jsonl, a side-by-side table in
 #    OUT_DIR/summary.txt;
-# 3. with time left, the decode table with the layer's own choice (DecodeKernels::Auto) at
+# 3. with time left, the decode table with the layer's own choice (DecodePath::Auto) at
 #    T = 1..128 beside torch_moe (benches/torch_moe.py) in OUT_DIR/moe.jsonl;
-# 4. with time left, ncu of the kernels at Qwen3 T = 1, as built and narrow (OUT_DIR/ncu.tar).
+# 4. with time left, ncu of the kernels at Qwen3 T = 1, as built and pipelined (OUT_DIR/ncu.tar);
+# 5. with time left, racecheck of decode_gpu through the pipelined gate_up.
 # Each step runs only while BUDGET_SECONDS (default 500) last, so a device call's limit is
 # never hit mid-write. Logs: OUT_DIR/logs.tgz.
 set -u
@@ -92,7 +93,7 @@ fi
 # 4. with time left, Nsight Compute on the decode kernels at Qwen3-30B-A3B T = 1, as built
 #    and with the narrow batch (stall reasons and SASS counters in OUT_DIR/ncu/<arm>/:
 #    details.txt, ncu.source.csv.xz).
-for a in as_built=0 narrow=4; do
+for a in as_built=0 pipelined=8; do
   name=${a%%=*}
   if [ "$(left)" -lt 50 ]; then say "ncu $name skipped: out of time"; continue; fi
   mkdir -p "$out/ncu/$name"
@@ -104,6 +105,15 @@ for a in as_built=0 narrow=4; do
   [ -f "$out/ncu/$name/ncu.source.csv" ] && xz -9 "$out/ncu/$name/ncu.source.csv"
 done
 tar -cf "$out/ncu.tar" -C "$out" ncu 2>/dev/null && rm -rf "$out/ncu"
+# 5. with time left, racecheck of decode_gpu through the pipelined gate_up (its partials
+#    alternate between two shared buffers with one barrier per unit).
+if [ "$(left)" -gt 60 ]; then
+  OUT=$logs/race MOEFUSE_DECODE_OPTIONS=8 SANITIZE_TOOLS=racecheck SANITIZE_TIMEOUT=$(($(left) - 20)) \
+    "$pack/run.sh" sanitize decode >>"$summary" 2>&1
+  say "racecheck (options 8): exit $?"
+else
+  say "racecheck skipped: out of time"
+fi
 for options in 0 4 8; do cp "$logs/tests_$options/tests.log" "$logs/tests_$options.log" 2>/dev/null; done
 tar -czf "$out/logs.tgz" -C "$logs" .
 cat "$summary"
