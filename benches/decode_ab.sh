@@ -91,7 +91,7 @@ if [ "$(left)" -gt 150 ]; then
   cp "$logs/table/moe.jsonl" "$out/moe.jsonl" 2>/dev/null
 fi
 # 4. with time left, Nsight Compute on the decode kernels at Qwen3-30B-A3B T = 1, as built
-#    and with the narrow batch (stall reasons and SASS counters in OUT_DIR/ncu/<arm>/:
+#    and pipelined (stall reasons and SASS counters in OUT_DIR/ncu/<arm>/:
 #    details.txt, ncu.source.csv.xz).
 for a in as_built=0 pipelined=8; do
   name=${a%%=*}
