@@ -22,6 +22,11 @@
 //   all    | fixed-order sum of the splits (bf16 y_e), then y[t] = sum_j w * y_e in
 //          | slot order (fp32), written as bf16
 //
+// Opt-in variants until measured (MOEFUSE_DECODE_OPTIONS, see kNarrowBatch and kPipelined):
+// both kernels with batches of 4 chunks, and a software-pipelined gate_up for hidden <= 2048
+// (decode_gate_up_pipelined_kernel: the next unit's loads in flight during the current
+// unit's sums and stores).
+//
 // NOTES: no shared-memory staging for A: each weight element is used by the 8 to 64 columns
 // of one MMA group and never again, so registers are the stage. The K order inside an MMA
 // is a permutation both operands follow (lane t's 16-byte load covers logical k 2t, 2t+1,
