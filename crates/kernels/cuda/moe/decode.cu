@@ -432,8 +432,9 @@ ResidentBlocks resident_grids() {
   static std::atomic<int> cache[64][2];
   return resident_blocks(cache, {132, 132}, [] {
     ResidentBlocks per{0, 0};
-    // Both batch widths' instances: the same registers bound (launch bounds), so the same
-    // occupancy; the 8-chunk instances' figures are taken.
+    // Every gate_up instance (both batch widths and the pipelined kernel: at most 128
+    // registers and 43 KB of shared memory) holds two blocks per SM, every down instance
+    // one, so the 8-chunk instances' figures serve them all.
     for (auto down : {decode_down_kernel<8>, decode_down_kernel<4>}) {
       cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPartFloats * sizeof(float)));
     }
@@ -527,6 +528,7 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   launch.stream = s;
   launch.attrs = attr;
   launch.numAttrs = 1;
-  if (cudaLaunchKernelEx(&launch, narrow ? decode_down_kernel<4> : decode_down_kernel<8>, *a, split_cap) != cudaSuccess) return after_launch(name);
+  auto* down = narrow ? decode_down_kernel<4> : decode_down_kernel<8>;
+  if (cudaLaunchKernelEx(&launch, down, *a, split_cap) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }

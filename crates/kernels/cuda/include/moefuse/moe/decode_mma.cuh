@@ -1,6 +1,6 @@
-// Building blocks of the decode forward (moe/decode.cu): the per-block
-// routing table, a slot's output stores, and the register-direct MMA loop that streams 16
-// weight rows against up to 64 routed rows.
+// Building blocks of the decode forward (moe/decode.cu): the per-block routing table, a
+// slot's output stores, and the register-direct MMA loop that streams 16 weight rows
+// against up to 64 routed rows.
 #pragma once
 
 #include <cuda_bf16.h>
