@@ -2,7 +2,7 @@
 # The decode forward's kernels and their opt-in variants side by side, on the GPU machine, from the repository
 # root, with a device pack unpacked at PACK (default /tmp/.device-pack):
 #
-#   benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]
+#   [BASE_PACK=DIR] benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]
 #
 # 1. the decode_gpu suite, as built and with each opt-in variant;
 # 2. bench_moe on the decode kernels as built and with each opt-in variant of
@@ -37,7 +37,16 @@ done
 # variants, 4 batches of 4 chunks instead of 8, 8 the software-pipelined gate_up at hidden
 # 2048; 1 and 2, two L2 prefetches, lost 13-19 % on 2026-12-07 and are removed). The first arm runs again last on
 # Qwen3 ("again"), so drift between arms shows.
+# With BASE_PACK (an older pack unpacked elsewhere), the arm "base" runs that pack's kernels
+# as built first, so a change outside MOEFUSE_DECODE_OPTIONS is measured in the same call.
 arm_list="as_built=0 narrow=4 pipelined=8 again=0"
+two_arms="as_built=0 narrow=4"
+if [ -n "${BASE_PACK:-}" ]; then
+  arm_list="base=0 $arm_list"
+  two_arms="base=0 $two_arms"
+  say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
+fi
+arm_pack() { case $1 in base) echo "$BASE_PACK" ;; *) echo "$pack" ;; esac; }
 arms=$(for a in $arm_list; do printf '%s ' "${a%%=*}"; done)
 ab() { # MODELS TOKENS ARM...
   local models=$1 tokens=$2 a name options
@@ -47,14 +56,14 @@ ab() { # MODELS TOKENS ARM...
     mkdir -p "$logs/ab_$name"
     if [ "$(left)" -lt 40 ]; then say "skipped $models $name: out of time"; continue; fi
     MOEFUSE_DECODE_OPTIONS=$options timeout $(($(left) - 10)) \
-      "$pack/run.sh" bench_moe --out "$logs/ab_$name" --models "$models" --tokens "$tokens" --samples 15 \
+      "$(arm_pack "$name")/run.sh" bench_moe --out "$logs/ab_$name" --models "$models" --tokens "$tokens" --samples 15 \
       >>"$logs/ab_$name.log" 2>&1
     say "bench_moe $models T=$tokens $name (options $options): exit $?"
   done
 }
 ab qwen3-30b-a3b 1,2,4,8,16,32,64 $arm_list
-ab mixtral-8x7b 1,2,4,8 as_built=0 narrow=4
-ab deepseek-v3 1,2,4 as_built=0 narrow=4
+ab mixtral-8x7b 1,2,4,8 $two_arms
+ab deepseek-v3 1,2,4 $two_arms
 python3 - "$logs" $arms >>"$summary" <<'PY'
 import json, os, sys
 rows, arms = {}, sys.argv[2:]

@@ -171,8 +171,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
   // topk_ids only once it has completed.
-  decode::wait_for_prerequisite();
-  decode::allow_dependent_launch();
+  wait_for_prerequisite();
+  allow_dependent_launch();
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
@@ -266,8 +266,8 @@ __device__ __forceinline__ void issue_unit(const moefuse_decode_args& a, const G
 // below 256) adds a zero partial, as in the general kernel.
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined_kernel(moefuse_decode_args a) {
   __shared__ GateUpPipelinedShared sm;
-  decode::wait_for_prerequisite();
-  decode::allow_dependent_launch();
+  wait_for_prerequisite();
+  allow_dependent_launch();
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   sm.groups.build(sm.routing, 8);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   // Launched programmatically, the block may run beside the gate_up kernel's last blocks:
   // it warms L2 with its first tile's weights, then waits for h.
   if (blockIdx.x < a.hidden / 16) prefetch_tile(a, rt, blockIdx.x * 16);
-  decode::wait_for_prerequisite();
+  wait_for_prerequisite();
   // The gate_up kernel has completed: its unit counter is free for the next call.
   if (a.unit_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *a.unit_counter = 0u;
   const int valid = rt.start[rt.touched], chunks = a.intermediate / kChunk;

@@ -138,6 +138,9 @@ __device__ uint32_t exclude_groups(RouterSmem& s, int experts, int n_group, int 
 __global__ void __launch_bounds__(kWarpsPerBlock* kWarp)
     router_fwd_kernel(moefuse_router_args a) {
   __shared__ RouterSmem smem[kWarpsPerBlock];
+  // A kernel launched programmatically behind this one (the decode gate_up) becomes
+  // resident now and waits in griddepcontrol.wait for this grid's completion and writes.
+  allow_dependent_launch();
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int t = blockIdx.x * kWarpsPerBlock + warp;
   if (t >= a.tokens) return;  // whole warps leave; no block barrier follows

@@ -83,4 +83,19 @@ __device__ __forceinline__ double warp_max(double v) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
+// first lets the next kernel on the stream start early, the second waits until this
+// kernel's prerequisite grid has completed and its writes are visible.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 }  // namespace moefuse::moe

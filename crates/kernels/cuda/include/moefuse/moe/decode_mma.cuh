@@ -186,21 +186,6 @@ __device__ __forceinline__ float combine_token(const moefuse_decode_args& a, con
   return v;
 }
 
-// Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
-// first lets the next kernel on the stream start early, the second waits until this
-// kernel's prerequisite grid has completed and its writes are visible.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisite() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
