@@ -173,6 +173,9 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   // topk_ids only once it has completed.
   wait_for_prerequisite();
   allow_dependent_launch();
+  // The first unit's atomic is issued before the table build, which hides its round trip.
+  uint32_t* counter = a.unit_counter;
+  const int first = counter != nullptr && threadIdx.x == 0 ? int(atomicAdd(counter, 1u)) : int(blockIdx.x);
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
@@ -180,10 +183,9 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   const int units = sm.routing.touched * tiles;
   const int chunks = a.hidden / kChunk, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
-  uint32_t* counter = a.unit_counter;
   int u = blockIdx.x;
   if (counter != nullptr) {
-    if (threadIdx.x == 0) sm.next[0] = int(atomicAdd(counter, 1u));
+    if (threadIdx.x == 0) sm.next[0] = first;
     __syncthreads();
     u = sm.next[0];
   }
@@ -268,6 +270,15 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined
   __shared__ GateUpPipelinedShared sm;
   wait_for_prerequisite();
   allow_dependent_launch();
+  uint32_t* counter = a.unit_counter;
+  auto take = [&](int i) { return counter != nullptr ? int(atomicAdd(counter, 1u)) : int(blockIdx.x + i * gridDim.x); };
+  // The first two units' atomics are issued before the table build, which hides their
+  // round trip.
+  int first[2] = {0, 0};
+  if (threadIdx.x == 0) {
+    first[0] = take(0);
+    first[1] = take(1);
+  }
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   sm.groups.build(sm.routing, 8);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
@@ -277,11 +288,9 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, k8 = (lane & 3) * 8;
   const int chunks = a.hidden / kChunk;
   const int c0 = chunks * warp / kGateUpWarps, nc = chunks * (warp + 1) / kGateUpWarps - c0;
-  uint32_t* counter = a.unit_counter;
-  auto take = [&](int i) { return counter != nullptr ? int(atomicAdd(counter, 1u)) : int(blockIdx.x + i * gridDim.x); };
   if (threadIdx.x == 0) {
-    sm.unit[0] = take(0);
-    sm.unit[1] = take(1);
+    sm.unit[0] = first[0];
+    sm.unit[1] = first[1];
   }
   __syncthreads();
   int u = sm.unit[0];
