@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The decode forward's kernels and their opt-in variants side by side, on the GPU machine, from the repository
-# root, with a device pack unpacked at PACK (default /tmp/.device-pack):
+# The decode forward's kernels against an older pack's, side by side, on the GPU machine, from
+# the repository root, with a device pack unpacked at PACK (default /tmp/.device-pack):
 #
 #   [BASE_PACK=DIR] benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]
 #
-# 1. the decode_gpu suite, as built and with each opt-in variant;
-# 2. bench_moe on the decode kernels as built and with each opt-in variant of
-#    MOEFUSE_DECODE_OPTIONS (the arms below), Qwen3-30B-A3B at T = 1..64 (every arm, the
-#    first again last), Mixtral-8x7B at T = 1..8 and DeepSeek-V3 at T = 1..4 (as built and
-#    narrow), JSON lines in OUT_DIR/ab/<arm>.jsonl, a side-by-side table in
-#    OUT_DIR/summary.txt;
+# 1. the decode_gpu suite;
+# 2. bench_moe on the decode kernels, arms (below): "base" (BASE_PACK's kernels, when given),
+#    "as_built" and "as_built" again last; Qwen3-30B-A3B at T = 1..64, Mixtral-8x7B at
+#    T = 1..8 and DeepSeek-V3 at T = 1..4, JSON lines in OUT_DIR/ab/<arm>.jsonl, a
+#    side-by-side table in OUT_DIR/summary.txt;
 # 3. with time left, the decode table with the layer's own choice (DecodePath::Auto) at
 #    T = 1..128 beside torch_moe (benches/torch_moe.py) in OUT_DIR/moe.jsonl;
-# 4. with time left, ncu of the kernels at Qwen3 T = 1, as built and pipelined (OUT_DIR/ncu.tar);
-# 5. with time left, racecheck of decode_gpu through the pipelined gate_up.
+# 4. with time left, ncu of the kernels at Qwen3 T = 1 (OUT_DIR/ncu.tar);
+# 5. with time left, racecheck of decode_gpu.
+# A variant under test is measured by building the pack twice (the base pack before the
+# change) rather than by switches in the kernels.
 # Each step runs only while BUDGET_SECONDS (default 500) last, so a device call's limit is
 # never hit mid-write. Logs: OUT_DIR/logs.tgz.
 set -u
@@ -28,37 +29,29 @@ mkdir -p "$out"
 left() { echo $((budget - ($(date +%s) - t0))); }
 say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
 say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
-# decode_gpu as built, then with each opt-in variant (the same cases through the other kernels)
-for options in 0 4 8; do
-  OUT=$logs/tests_$options MOEFUSE_DECODE_OPTIONS=$options timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
-  say "decode_gpu with MOEFUSE_DECODE_OPTIONS=$options done"
-done
-# An arm: NAME=OPTIONS (MOEFUSE_DECODE_OPTIONS: a bit mask of the decode kernels' opt-in
-# variants, 4 batches of 4 chunks instead of 8, 8 the software-pipelined gate_up at hidden
-# 2048; 1 and 2, two L2 prefetches, lost 13-19 % on 2026-12-07 and are removed). The first arm runs again last on
-# Qwen3 ("again"), so drift between arms shows.
-# With BASE_PACK (an older pack unpacked elsewhere), the arm "base" runs that pack's kernels
-# as built first, so a change outside MOEFUSE_DECODE_OPTIONS is measured in the same call.
-arm_list="as_built=0 narrow=4 pipelined=8 again=0"
-two_arms="as_built=0 narrow=4"
+OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
+say "decode_gpu done"
+# The arms: "base" (BASE_PACK's kernels, when given), this pack's, and this pack's again last
+# on Qwen3, so drift between arms shows.
+arm_list="as_built again"
+two_arms="as_built"
 if [ -n "${BASE_PACK:-}" ]; then
-  arm_list="base=0 $arm_list"
-  two_arms="base=0 $two_arms"
+  arm_list="base $arm_list"
+  two_arms="base $two_arms"
   say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
 fi
 arm_pack() { case $1 in base) echo "$BASE_PACK" ;; *) echo "$pack" ;; esac; }
-arms=$(for a in $arm_list; do printf '%s ' "${a%%=*}"; done)
+arms=$arm_list
 ab() { # MODELS TOKENS ARM...
-  local models=$1 tokens=$2 a name options
+  local models=$1 tokens=$2 name
   shift 2
-  for a in "$@"; do
-    name=${a%%=*}; options=${a#*=}
+  for name in "$@"; do
     mkdir -p "$logs/ab_$name"
     if [ "$(left)" -lt 40 ]; then say "skipped $models $name: out of time"; continue; fi
-    MOEFUSE_DECODE_OPTIONS=$options timeout $(($(left) - 10)) \
+    timeout $(($(left) - 10)) \
       "$(arm_pack "$name")/run.sh" bench_moe --out "$logs/ab_$name" --models "$models" --tokens "$tokens" --samples 15 \
       >>"$logs/ab_$name.log" 2>&1
-    say "bench_moe $models T=$tokens $name (options $options): exit $?"
+    say "bench_moe $models T=$tokens $name: exit $?"
   done
 }
 ab qwen3-30b-a3b 1,2,4,8,16,32,64 $arm_list
@@ -99,14 +92,12 @@ if [ "$(left)" -gt 150 ]; then
   fi
   cp "$logs/table/moe.jsonl" "$out/moe.jsonl" 2>/dev/null
 fi
-# 4. with time left, Nsight Compute on the decode kernels at Qwen3-30B-A3B T = 1, as built
-#    and pipelined (stall reasons and SASS counters in OUT_DIR/ncu/<arm>/:
-#    details.txt, ncu.source.csv.xz).
-for a in as_built=0 pipelined=8; do
-  name=${a%%=*}
+# 4. with time left, Nsight Compute on the decode kernels at Qwen3-30B-A3B T = 1 (stall
+#    reasons and SASS counters in OUT_DIR/ncu/<arm>/: details.txt, ncu.source.csv.xz).
+for name in as_built; do
   if [ "$(left)" -lt 50 ]; then say "ncu $name skipped: out of time"; continue; fi
   mkdir -p "$out/ncu/$name"
-  OUT=$out/ncu/$name MOEFUSE_DECODE_OPTIONS=${a#*=} NCU_SKIP=4 NCU_COUNT=2 \
+  OUT=$out/ncu/$name NCU_SKIP=4 NCU_COUNT=2 \
     timeout $(($(left) - 10)) "$pack/run.sh" ncu 'decode_' bench_moe --models qwen3-30b-a3b --tokens 1 --samples 3 \
     --out "$logs/ncu_bench" >"$out/ncu/$name/details.txt" 2>&1
   say "ncu $name: exit $?"
@@ -114,15 +105,15 @@ for a in as_built=0 pipelined=8; do
   [ -f "$out/ncu/$name/ncu.source.csv" ] && xz -9 "$out/ncu/$name/ncu.source.csv"
 done
 tar -cf "$out/ncu.tar" -C "$out" ncu 2>/dev/null && rm -rf "$out/ncu"
-# 5. with time left, racecheck of decode_gpu through the pipelined gate_up (its partials
-#    alternate between two shared buffers with one barrier per unit).
+# 5. with time left, racecheck of decode_gpu (the pipelined gate_up's partials alternate
+#    between two shared buffers with one barrier per unit).
 if [ "$(left)" -gt 60 ]; then
-  OUT=$logs/race MOEFUSE_DECODE_OPTIONS=8 SANITIZE_TOOLS=racecheck SANITIZE_TIMEOUT=$(($(left) - 20)) \
+  OUT=$logs/race SANITIZE_TOOLS=racecheck SANITIZE_TIMEOUT=$(($(left) - 20)) \
     "$pack/run.sh" sanitize decode >>"$summary" 2>&1
-  say "racecheck (options 8): exit $?"
+  say "racecheck: exit $?"
 else
   say "racecheck skipped: out of time"
 fi
-for options in 0 4 8; do cp "$logs/tests_$options/tests.log" "$logs/tests_$options.log" 2>/dev/null; done
+cp "$logs/tests/tests.log" "$logs/tests.log" 2>/dev/null
 tar -czf "$out/logs.tgz" -C "$logs" .
 cat "$summary"

@@ -137,10 +137,9 @@ fn decode_cases() -> Vec<Case> {
             40,
             Route::Ours,
         ),
-        // Hidden 2048: the largest the opt-in pipelined gate_up takes (8 chunks per warp;
-        // MOEFUSE_DECODE_OPTIONS=8, benches/decode_ab.sh runs this suite with it), top-8 at 3
-        // tokens, and ~10 slots per expert (two 8-slot groups there, one 16-column pass in
-        // the general kernel).
+        // Hidden 2048: the largest the pipelined gate_up takes (8 chunks per warp; it
+        // serves up to 32 tokens), top-8 at 3 tokens, and ~10 slots per expert (two 8-slot
+        // groups there, one 16-column pass in the general kernel).
         c(
             "swiglu_hidden2048_t3_top8",
             MoeConfig::new(2048, 128, 32, 8),

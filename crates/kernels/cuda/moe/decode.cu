@@ -22,8 +22,7 @@
 //   all    | fixed-order sum of the splits (bf16 y_e), then y[t] = sum_j w * y_e in
 //          | slot order (fp32), written as bf16
 //
-// Opt-in variants until measured (MOEFUSE_DECODE_OPTIONS, see kNarrowBatch and kPipelined):
-// both kernels with batches of 4 chunks, and a software-pipelined gate_up for hidden <= 2048
+// Up to kPipelinedMaxTokens tokens at hidden <= 2048 the gate_up runs software-pipelined
 // (decode_gate_up_pipelined_kernel: the next unit's loads in flight during the current
 // unit's sums and stores).
 //
@@ -35,7 +34,6 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
-#include <cstdlib>
 
 #include "moefuse/moe/activation_math.cuh"
 #include "moefuse/moe/common.cuh"
@@ -105,7 +103,7 @@ __device__ void gate_up_partial(const moefuse_decode_args& a, GateUpShared& sm, 
   }
   float acc[NB][4];
   // Two blocks of 8 warps per SM (128 registers): U chunks per lane in flight (8 with one
-  // column block, 4 with two; half that with kNarrowBatch).
+  // column block, 4 with two).
   decode::mma_rows<NB, U>(acc, w_lo, w_hi, a.x, b_off, c0, c1);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -150,23 +148,20 @@ __device__ void gate_up_store(const moefuse_decode_args& a, const GateUpPartials
   }
 }
 
-// The kernels' `options` (MOEFUSE_DECODE_OPTIONS, a bit mask; opt-in until measured): both
-// kernels load 4 chunks per batch instead of 8 with one column block (all of a batch's loads
-// then issue before its first MMA: with 8, ptxas starts the MMAs before the last loads at
-// 128 registers). NOTES: two L2 prefetches from the gate_up kernel (its next unit's rows;
-// the down weights once its units ran out) were 13-19 % slower at every Qwen3-30B-A3B T on
-// the H100 (docs/perf-notes.md, "Session 28") and are removed.
-constexpr int kNarrowBatch = 4;
-// Bit 8: the software-pipelined gate_up (decode_gate_up_pipelined_kernel) where hidden is at
-// most 2048 (a warp's share of a unit is one batch of at most 8 chunks: Qwen3-30B-A3B).
-constexpr int kPipelined = 8;
+// Chunks per lane in flight in both kernels with one 8-column block (4 with two).
+// NOTES: batches of 4 chunks (every load of a batch before its first MMA; at 8, ptxas
+// starts the MMAs after 7 loads) were 1-4 % slower on Mixtral-8x7B and DeepSeek-V3 and no
+// faster than the pipelined gate_up on Qwen3-30B-A3B (H200, 2026-12-07), and two L2
+// prefetches from the gate_up kernel (its next unit's rows; the down weights once its units
+// ran out) were 13-19 % slower at every Qwen3-30B-A3B T on the H100 (docs/perf-notes.md,
+// sessions 28 and 29): all removed.
+constexpr int kBatch = 8;
 
 // A block takes its units (touched expert, 16 rows of W_e) statically (blockIdx.x,
 // blockIdx.x + gridDim.x, ...) or, with a.unit_counter (zero at the launch), from a counter
 // the grid shares, one unit ahead, so that the blocks that stream faster take more units
 // and the gate_up ends together (H100: 1-3.5 % faster at T = 8..64, docs/perf-notes.md).
 // The down kernel zeroes the counter again.
-template <int U1>
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(moefuse_decode_args a) {
   __shared__ GateUpShared sm;
   // Launched programmatically behind the router: resident before it ends, reading its
@@ -204,8 +199,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
       const int n = min(count - base, 8 * kMaxGroupBlocks), blocks = (n + 7) / 8;
       const int* slots = sm.routing.slot + first + base;
       __syncthreads();  // the previous group's partials are read (and sm.next written)
-      if (blocks == 1) gate_up_partial<1, U1>(a, sm, slots, n, w_lo, w_hi, c0, c1);
-      else gate_up_partial<2, U1 / 2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      if (blocks == 1) gate_up_partial<1, kBatch>(a, sm, slots, n, w_lo, w_hi, c0, c1);
+      else gate_up_partial<2, kBatch / 2>(a, sm, slots, n, w_lo, w_hi, c0, c1);
       __syncthreads();
       gate_up_store(a, sm.partial, slots, n, tile, blocks);
     }
@@ -213,12 +208,17 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   }
 }
 
-// ---- gate_up, pipelined (opt-in: kPipelined) -------------------------------------------
+// ---- gate_up, pipelined (hidden <= 2048, tokens <= kPipelinedMaxTokens) ------------------
 
 // The pipelined gate_up's units: (group of at most 8 slots of one touched expert, 16 rows
 // of W_e), for hidden of at most 8 * kGateUpWarps chunks (2048), so that a warp's share of a
 // unit is one batch of at most 8 chunks.
 constexpr int kPipelinedChunks = 8;
+// The most tokens the pipelined gate_up serves. Measured on the H200 (2026-12-07, graph-
+// replayed Qwen3-30B-A3B, against the general kernel in the same call): 30.6 / 31.5 µs at
+// T = 1, 47.2 / 48.9 at 2, 76.3 / 77.6 at 4, 196.5 / 199.6 at 16, 268.5 / 271.6 at 32, but
+// 311.0 / 303.6 at 64 (docs/perf-notes.md, session 29).
+constexpr int kPipelinedMaxTokens = 32;
 
 struct GateUpPipelinedShared {
   Routing routing;
@@ -349,7 +349,7 @@ __device__ void prefetch_tile(const moefuse_decode_args& a, const Routing& rt, i
   }
 }
 
-template <int NB, int U1>
+template <int NB>
 __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int n, const uint16_t* w_lo,
                              const uint16_t* w_hi, int c0, int c1, float* part) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -361,7 +361,7 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
   float acc[NB][4];
   // One block of 16 warps per SM (128 registers): 8 chunks per lane in flight.
-  decode::mma_rows<NB, NB == 1 ? U1 : 4>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
+  decode::mma_rows<NB, NB == 1 ? kBatch : kBatch / 2>(acc, w_lo, w_hi, a.h, b_off, c0, c1);
   // part[p][r]: slot p of this expert's list, y column r of the tile.
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -376,7 +376,6 @@ __device__ void down_partial(const moefuse_decode_args& a, const int* slots, int
   }
 }
 
-template <int U1>
 __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse_decode_args a, int split_cap) {
   __shared__ DownShared sm;
   extern __shared__ float part[];  // [splits][valid slots][16]
@@ -411,8 +410,8 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
       const int n = min(rt.start[ti + 1] - first, 8 * kMaxGroupBlocks);
       const int* slots = rt.slot + first;
       float* p = part + (size_t(sp) * valid + first) * 16;
-      if (n <= 8) down_partial<1, U1>(a, slots, n, w_lo, w_hi, c0, c1, p);
-      else down_partial<2, 4>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      if (n <= 8) down_partial<1>(a, slots, n, w_lo, w_hi, c0, c1, p);
+      else down_partial<2>(a, slots, n, w_lo, w_hi, c0, c1, p);
     }
     __syncthreads();
     // y_e = bf16(sum of the splits in order), kept as float in the first split's place.
@@ -441,14 +440,12 @@ ResidentBlocks resident_grids() {
   static std::atomic<int> cache[64][2];
   return resident_blocks(cache, {132, 132}, [] {
     ResidentBlocks per{0, 0};
-    // Every gate_up instance (both batch widths and the pipelined kernel: at most 128
-    // registers and 43 KB of shared memory) holds two blocks per SM, every down instance
-    // one, so the 8-chunk instances' figures serve them all.
-    for (auto down : {decode_down_kernel<8>, decode_down_kernel<4>}) {
-      cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPartFloats * sizeof(float)));
-    }
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.gate_up, decode_gate_up_kernel<8>, kGateUpWarps * 32, 0);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.down, decode_down_kernel<8>, kDownWarps * 32,
+    // Both gate_up kernels (at most 128 registers and 43 KB of shared memory) hold two
+    // blocks per SM, so the general kernel's figure serves the pipelined one too.
+    cudaFuncSetAttribute(decode_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(kPartFloats * sizeof(float)));
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.gate_up, decode_gate_up_kernel, kGateUpWarps * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per.down, decode_down_kernel, kDownWarps * 32,
                                                   kPartFloats * sizeof(float));
     return per;
   });
@@ -511,17 +508,9 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.stream = s;
   up.attrs = attr;
   up.numAttrs = 1;
-  // The variants run only when MOEFUSE_DECODE_OPTIONS names them (a bit mask: 4 narrow
-  // batches, 8 the pipelined gate_up) until measured (benches/decode_ab.sh sets it per arm).
-  static const int options = [] {
-    const char* v = std::getenv("MOEFUSE_DECODE_OPTIONS");
-    return v != nullptr ? std::atoi(v) & (kNarrowBatch | kPipelined) : 0;
-  }();
-  const bool narrow = options & kNarrowBatch;
-  const bool pipelined = (options & kPipelined) && a->hidden <= kGateUpWarps * kPipelinedChunks * kChunk;
-  auto* gate_up = pipelined ? decode_gate_up_pipelined_kernel
-                  : narrow  ? decode_gate_up_kernel<4>
-                            : decode_gate_up_kernel<8>;
+  const bool pipelined =
+      a->hidden <= kGateUpWarps * kPipelinedChunks * kChunk && a->tokens <= kPipelinedMaxTokens;
+  auto* gate_up = pipelined ? decode_gate_up_pipelined_kernel : decode_gate_up_kernel;
   if (cudaLaunchKernelEx(&up, gate_up, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;
   // The y_e partials: splits x slots x 16 floats. Splits serve warps that would idle when
@@ -537,7 +526,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   launch.stream = s;
   launch.attrs = attr;
   launch.numAttrs = 1;
-  auto* down = narrow ? decode_down_kernel<4> : decode_down_kernel<8>;
-  if (cudaLaunchKernelEx(&launch, down, *a, split_cap) != cudaSuccess) return after_launch(name);
+  if (cudaLaunchKernelEx(&launch, decode_down_kernel, *a, split_cap) != cudaSuccess) return after_launch(name);
   return after_launch(name);
 }
