@@ -399,6 +399,8 @@ fn decode_unit_counter_equals_fixed_shares(ctx: &Arc<CudaContext>) -> Result<(),
                         y_e_rows: Some(&mut y_e_rows),
                         errors: Some(&mut errors),
                         unit_counter: counter_start.map(|_| &mut counter as _),
+                        sync: None,
+                        y_e_slots: None,
                     },
                 )
                 .map_err(e)?;

@@ -155,7 +155,8 @@ impl MoeLayer {
             None => (None, None),
         };
         let mut scratch = workspace.slots(layout);
-        let mut h = scratch.get_mut(H);
+        // y_e's slot holds the one-kernel path's slot-major y_e (moe_abi.h).
+        let (mut h, mut y_e) = scratch.pair_mut(H, Y_E);
         let (p, s) = (&mut self.profile, cx.stream);
         p.begin(s)?;
         if let Some((sx, _, identity)) = &mut saved {
@@ -178,7 +179,9 @@ impl MoeLayer {
             None => None,
         };
         let errors = &mut perm.errors;
-        let decode = cx.decode(t, x, w, r.ids, r.weights, &mut h, y, saved, errors);
+        let decode = cx.decode(
+            t, x, w, r.ids, r.weights, &mut h, &mut y_e, y, saved, errors,
+        );
         p.stage(s, "decode (gate_up+down)", decode)?;
         let (routed, in_place) = (r.routed, r.in_place);
         self.last = Some(LastForward {

@@ -204,8 +204,9 @@ impl Cx<'_> {
         }
     }
 
-    /// The decode kernels: `y` from `x` and the routing, `h` their slot-major scratch, the
-    /// expert-major copies into `saved` (Training).
+    /// The decode kernels: `y` from `x` and the routing, `h` and `y_e` their slot-major
+    /// scratch (`y_e`: the one-kernel path's), the expert-major copies into `saved`
+    /// (Training).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decode(
         &self,
@@ -215,6 +216,7 @@ impl Cx<'_> {
         ids: &CudaSlice<i32>,
         weights: &CudaSlice<f32>,
         h: &mut dyn DevicePtrMut<bf16>,
+        y_e: &mut dyn DevicePtrMut<bf16>,
         y: &mut dyn DevicePtrMut<bf16>,
         saved: Option<DecodeSaved<'_>>,
         errors: &mut DeviceErrors,
@@ -228,7 +230,7 @@ impl Cx<'_> {
             down: &w.down,
         };
         let (k, c, s) = (self.kernels(), self.plan.config(), self.stream);
-        decode_forward_with(k, c, s, inputs, h, y, saved, errors)
+        decode_forward_with(k, c, s, inputs, h, y, Some(y_e), saved, errors)
     }
 
     /// One grouped GEMM over the expert-major rows `offsets` delimits.
