@@ -205,8 +205,8 @@ impl Cx<'_> {
     }
 
     /// The decode kernels: `y` from `x` and the routing, `h` and `y_e` their slot-major
-    /// scratch (`y_e`: the one-kernel path's), the expert-major copies into `saved`
-    /// (Training).
+    /// scratch (`y_e`, when given, selects the one-kernel path where it applies), the
+    /// expert-major copies into `saved` (Training).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decode(
         &self,
@@ -216,7 +216,7 @@ impl Cx<'_> {
         ids: &CudaSlice<i32>,
         weights: &CudaSlice<f32>,
         h: &mut dyn DevicePtrMut<bf16>,
-        y_e: &mut dyn DevicePtrMut<bf16>,
+        y_e: Option<&mut dyn DevicePtrMut<bf16>>,
         y: &mut dyn DevicePtrMut<bf16>,
         saved: Option<DecodeSaved<'_>>,
         errors: &mut DeviceErrors,
@@ -230,7 +230,7 @@ impl Cx<'_> {
             down: &w.down,
         };
         let (k, c, s) = (self.kernels(), self.plan.config(), self.stream);
-        decode_forward_with(k, c, s, inputs, h, y, Some(y_e), saved, errors)
+        decode_forward_with(k, c, s, inputs, h, y, y_e, saved, errors)
     }
 
     /// One grouped GEMM over the expert-major rows `offsets` delimits.
