@@ -581,19 +581,17 @@ __device__ __forceinline__ void one_kernel_down(const moefuse_decode_args& a, co
   }
 }
 
-struct OneKernelShared {
-  GateUpPipelinedShared up;
-  decode::Groups down_groups;  // 16-slot groups: the down items
-};
-
 // The whole decode forward in one grid of the gate_up's shape (hidden <= 2048, tokens <=
 // kPipelinedMaxTokens, a.sync, a.y_e_slots and a.unit_counter given): the pipelined gate_up
 // over every unit, then each warp takes down items, whose experts' h rows were finished by
 // then or soon after: no phase barrier, so the down weights stream while the last gate_up
 // units are in flight. Tokens with no valid slot get y = 0 (their tiles still complete,
 // except when no slot at all is valid: then block 0 writes the zeros).
+// NOTES: the 8-slot groups of the gate_up units are rebuilt as the 16-slot groups of the down
+// items once the block's units ran out (a block barrier there): both side by side took 51 KB
+// of static shared memory, over the 48 KB a block may declare statically.
 __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_one_kernel(moefuse_decode_args a) {
-  __shared__ OneKernelShared sm;
+  __shared__ GateUpPipelinedShared sm;
   wait_for_prerequisite();
   allow_dependent_launch();
   int first0 = 0, first1 = 0;
@@ -601,14 +599,16 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_one_kernel(moefus
     first0 = int(atomicAdd(a.unit_counter, 1u));
     first1 = int(atomicAdd(a.unit_counter, 1u));
   }
-  sm.up.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  sm.up.groups.build(sm.up.routing, 8);
-  sm.down_groups.build(sm.up.routing, 8 * kMaxGroupBlocks);
-  if (sm.down_groups.count == 0 && blockIdx.x == 0) {
+  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
+  sm.groups.build(sm.routing, 8);
+  if (sm.routing.touched == 0 && blockIdx.x == 0) {
     for (int i = threadIdx.x; i < a.tokens * a.hidden; i += blockDim.x) a.y[i] = 0;
   }
-  gate_up_pipelined_units<true>(a, sm.up, first0, first1);
-  one_kernel_down(a, sm.up.routing, sm.down_groups);
+  gate_up_pipelined_units<true>(a, sm, first0, first1);
+  // Every thread of the block left the unit loop together (its end is block-uniform), and
+  // warp 0's last stores read the routing table only.
+  sm.groups.build(sm.routing, 8 * kMaxGroupBlocks);
+  one_kernel_down(a, sm.routing, sm.groups);
 }
 
 // ---- host -------------------------------------------------------------------------------
