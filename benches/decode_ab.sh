@@ -33,8 +33,7 @@ OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
 say "decode_gpu done"
 # The arms: "base" (BASE_PACK's kernels, when given), this pack's, and this pack's again last
 # on Qwen3, so drift between arms shows.
-# "one": this pack with the decode path as one kernel (bench_moe --decode-one-kernel).
-arm_list="as_built one again"
+arm_list="as_built again"
 two_arms="as_built"
 if [ -n "${BASE_PACK:-}" ]; then
   arm_list="base $arm_list"
@@ -42,7 +41,6 @@ if [ -n "${BASE_PACK:-}" ]; then
   say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
 fi
 arm_pack() { case $1 in base) echo "$BASE_PACK" ;; *) echo "$pack" ;; esac; }
-arm_flags() { case $1 in one) echo "--decode-one-kernel" ;; esac; }
 arms=$arm_list
 ab() { # MODELS TOKENS ARM...
   local models=$1 tokens=$2 name
@@ -51,17 +49,14 @@ ab() { # MODELS TOKENS ARM...
     mkdir -p "$logs/ab_$name"
     if [ "$(left)" -lt 40 ]; then say "skipped $models $name: out of time"; continue; fi
     timeout $(($(left) - 10)) \
-      "$(arm_pack "$name")/run.sh" bench_moe --out "$logs/ab_$name" --models "$models" --tokens "$tokens" --samples 15 $(arm_flags "$name") \
+      "$(arm_pack "$name")/run.sh" bench_moe --out "$logs/ab_$name" --models "$models" --tokens "$tokens" --samples 15 \
       >>"$logs/ab_$name.log" 2>&1
     say "bench_moe $models T=$tokens $name: exit $?"
   done
 }
 ab qwen3-30b-a3b 1,2,4,8,16,32,64 $arm_list
-# (AB_QWEN3_ONLY=1: a short call, the larger models skipped)
-if [ -z "${AB_QWEN3_ONLY:-}" ]; then
-  ab mixtral-8x7b 1,2,4,8 $two_arms
-  ab deepseek-v3 1,2,4 $two_arms
-fi
+ab mixtral-8x7b 1,2,4,8 $two_arms
+ab deepseek-v3 1,2,4 $two_arms
 python3 - "$logs" $arms >>"$summary" <<'PY'
 import json, os, sys
 rows, arms = {}, sys.argv[2:]

@@ -51,10 +51,6 @@ struct Args {
     /// Also print per-stage times of one forward and backward.
     #[arg(long)]
     profile: bool,
-    /// The layers run the decode path as one kernel where it applies
-    /// (`MoeLayer::set_decode_one_kernel`).
-    #[arg(long)]
-    decode_one_kernel: bool,
 }
 
 /// (name, D, I, E, k, activation, layout)
@@ -123,8 +119,6 @@ fn main() -> Result<(), Error> {
             MoeLayer::new(&stream, &plan, Mode::Training)?,
             MoeLayer::new(&stream, &plan, Mode::Inference)?,
         );
-        train.set_decode_one_kernel(args.decode_one_kernel);
-        infer.set_decode_one_kernel(args.decode_one_kernel);
         // One workspace for both layers: what they need on every gate_up path the bench
         // forces (the plan's size fits any).
         let ws_bytes = workspace_for_every_path(&stream, [&mut train, &mut infer])?;

@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 
 /// `MOEFUSE_ABI_VERSION` this crate was written against.
-pub const MOEFUSE_ABI_VERSION: u32 = 7;
+pub const MOEFUSE_ABI_VERSION: u32 = 6;
 
 /// `moefuse_status`: kept as a plain integer so an unknown value cannot be undefined behaviour.
 pub type MoefuseStatus = i32;
@@ -539,18 +539,12 @@ pub struct MoefuseDecodeArgs {
     /// `[1]` word the kernels keep (zero before its first use): the gate_up's unit
     /// counter; or null (fixed shares).
     pub unit_counter: *mut u32,
-    /// `[MOEFUSE_DECODE_SYNC_WORDS]` zeroed words the one-kernel path keeps, or null.
-    pub sync: *mut u32,
-    /// `[tokens * top_k, hidden]` bf16 scratch of the one-kernel path, or null.
-    pub y_e_slots: *mut c_void,
 }
 
 /// `MOEFUSE_DECODE_MAX_TOKENS` (moe_abi.h).
 pub const MOEFUSE_DECODE_MAX_TOKENS: usize = 64;
 /// `MOEFUSE_DECODE_MAX_SLOTS` (moe_abi.h).
 pub const MOEFUSE_DECODE_MAX_SLOTS: usize = 1024;
-/// `MOEFUSE_DECODE_SYNC_WORDS` (moe_abi.h): the one-kernel decode path's sync words.
-pub const MOEFUSE_DECODE_SYNC_WORDS: usize = 1024;
 
 /// `moefuse_scatter_columns_args` (moe_abi.h): one value per row into a zeroed bf16 row.
 #[repr(C)]
@@ -725,8 +719,7 @@ mod tests {
         assert_eq!(offset_of!(MoefuseScatterColumnsArgs, errors), 48);
         assert_eq!(size_of::<MoefuseColumnsToF32Args>(), 32);
         assert_eq!(offset_of!(MoefuseColumnsToF32Args, input), 16);
-        assert_eq!(size_of::<MoefuseDecodeArgs>(), 160);
-        assert_eq!(offset_of!(MoefuseDecodeArgs, y_e_slots), 152);
+        assert_eq!(size_of::<MoefuseDecodeArgs>(), 144);
         assert_eq!(offset_of!(MoefuseDecodeArgs, alpha), 28);
         assert_eq!(offset_of!(MoefuseDecodeArgs, topk_ids), 40);
         assert_eq!(offset_of!(MoefuseDecodeArgs, errors), 128);

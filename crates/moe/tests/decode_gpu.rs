@@ -15,15 +15,12 @@ mod layer_common;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
-use layer_common::{
-    bits, check_case, e, graph_replay_case, same_bits, Case, Route, DECODE_ONE_KERNEL,
-};
+use layer_common::{bits, check_case, e, graph_replay_case, same_bits, Case, Route};
 use moefuse::gpu::{
     decode_applies, decode_forward, ActivationBackwardPath, DecodeInputs, DeviceErrors, GateUpPath,
 };
 use moefuse::{Activation, GateUpLayout, MoeConfig, MoeError, RouterKind};
 use moefuse_testkit::{GpuSuite, Rng, POISON_BF16};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 fn decode_cases() -> Vec<Case> {
@@ -194,23 +191,6 @@ fn decode_graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
         println!("{} ok", case.name);
     }
     Ok(())
-}
-
-/// The cases again with the decode path as one kernel where it applies (hidden <= 2048,
-/// T <= 32: every case but the T = 33, 40 and 64 ones, which keep the two kernels).
-fn decode_one_kernel_matches_reference(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    DECODE_ONE_KERNEL.store(true, Ordering::Relaxed);
-    let result = decode_layer_matches_reference(ctx);
-    DECODE_ONE_KERNEL.store(false, Ordering::Relaxed);
-    result
-}
-
-/// The graph replay cases with the decode path as one kernel.
-fn decode_one_kernel_graph_replay(ctx: &Arc<CudaContext>) -> Result<(), String> {
-    DECODE_ONE_KERNEL.store(true, Ordering::Relaxed);
-    let result = decode_graph_replay(ctx);
-    DECODE_ONE_KERNEL.store(false, Ordering::Relaxed);
-    result
 }
 
 /// `decode_forward` of a config and inputs, into a poisoned `y`: `(y bits, errors)`.
@@ -419,8 +399,6 @@ fn decode_unit_counter_equals_fixed_shares(ctx: &Arc<CudaContext>) -> Result<(),
                         y_e_rows: Some(&mut y_e_rows),
                         errors: Some(&mut errors),
                         unit_counter: counter_start.map(|_| &mut counter as _),
-                        sync: None,
-                        y_e_slots: None,
                     },
                 )
                 .map_err(e)?;
@@ -470,14 +448,6 @@ fn main() {
             decode_layer_matches_reference,
         )
         .test("decode_graph_replay", decode_graph_replay)
-        .test(
-            "decode_one_kernel_matches_reference",
-            decode_one_kernel_matches_reference,
-        )
-        .test(
-            "decode_one_kernel_graph_replay",
-            decode_one_kernel_graph_replay,
-        )
         .test(
             "decode_drops_and_flags_bad_ids",
             decode_drops_and_flags_bad_ids,

@@ -24,10 +24,7 @@
 //
 // Up to kPipelinedMaxTokens tokens at hidden <= 2048 the gate_up runs software-pipelined
 // (decode_gate_up_pipelined_kernel: the next unit's loads in flight during the current
-// unit's sums and stores). There, given the sync words and the y_e scratch, one kernel
-// (decode_one_kernel) runs both: the pipelined gate_up, then per warp down items of one
-// expert and 16 columns of y, each waiting only for its own expert's h rows, and the item
-// that completes a tile runs its combine.
+// unit's sums and stores).
 //
 // NOTES: no shared-memory staging for A: each weight element is used by the 8 to 64 columns
 // of one MMA group and never again, so registers are the stage. The K order inside an MMA
@@ -45,8 +42,7 @@
 #include "moefuse/moe_abi.h"
 
 // The Rust mirror (crates/kernels/src/ffi.rs) asserts the same numbers.
-static_assert(sizeof(moefuse_decode_args) == 160, "moefuse_decode_args layout changed: update ffi.rs");
-static_assert(offsetof(moefuse_decode_args, y_e_slots) == 152, "moefuse_decode_args layout changed");
+static_assert(sizeof(moefuse_decode_args) == 144, "moefuse_decode_args layout changed: update ffi.rs");
 static_assert(offsetof(moefuse_decode_args, alpha) == 28, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, topk_ids) == 40, "moefuse_decode_args layout changed");
 static_assert(offsetof(moefuse_decode_args, errors) == 128, "moefuse_decode_args layout changed");
@@ -270,25 +266,21 @@ __device__ __forceinline__ void issue_unit(const moefuse_decode_args& a, const G
 // groups (the general kernel's 16-column pass holds the same per-column sums). Needs
 // hidden <= kGateUpWarps * kPipelinedChunks * kChunk (2048); a warp with no chunk (hidden
 // below 256) adds a zero partial, as in the general kernel.
-// The one kernel's words in a.sync (MOEFUSE_DECODE_SYNC_WORDS, zero at the launch; the last
-// warp to leave zeroes them and the unit counter again): the down item counter, the leave
-// counter, per touched expert the gate_up units finished, per 16-column tile of y the down
-// items finished.
-constexpr int kSyncItems = 0;
-constexpr int kSyncLeave = 1;
-constexpr int kSyncExperts = 2;
-constexpr int kSyncTiles = kSyncExperts + decode::kMaxExperts;
-static_assert(kSyncTiles + 2048 / 16 <= MOEFUSE_DECODE_SYNC_WORDS, "the one kernel's words exceed MOEFUSE_DECODE_SYNC_WORDS");
-
-// The pipelined gate_up's unit loop after the routing tables are built. kSignal (the one
-// kernel): each finished unit bumps expert_done[touched expert] once its h rows are stored
-// (warp 0 stores them: a fence per lane, then one atomic), so the down work of that expert
-// can start in other blocks (a.sync's expert words).
-template <bool kSignal>
-__device__ __forceinline__ void gate_up_pipelined_units(const moefuse_decode_args& a, GateUpPipelinedShared& sm,
-                                                        int first0, int first1) {
+__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined_kernel(moefuse_decode_args a) {
+  __shared__ GateUpPipelinedShared sm;
+  wait_for_prerequisite();
+  allow_dependent_launch();
   uint32_t* counter = a.unit_counter;
   auto take = [&](int i) { return counter != nullptr ? int(atomicAdd(counter, 1u)) : int(blockIdx.x + i * gridDim.x); };
+  // The first two units' atomics are issued before the table build, which hides their
+  // round trip.
+  int first[2] = {0, 0};
+  if (threadIdx.x == 0) {
+    first[0] = take(0);
+    first[1] = take(1);
+  }
+  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
+  sm.groups.build(sm.routing, 8);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
   const int tiles = width / 16;
@@ -297,8 +289,8 @@ __device__ __forceinline__ void gate_up_pipelined_units(const moefuse_decode_arg
   const int chunks = a.hidden / kChunk;
   const int c0 = chunks * warp / kGateUpWarps, nc = chunks * (warp + 1) / kGateUpWarps - c0;
   if (threadIdx.x == 0) {
-    sm.unit[0] = first0;
-    sm.unit[1] = first1;
+    sm.unit[0] = first[0];
+    sm.unit[1] = first[1];
   }
   __syncthreads();
   int u = sm.unit[0];
@@ -310,9 +302,9 @@ __device__ __forceinline__ void gate_up_pipelined_units(const moefuse_decode_arg
     // before the barrier of iteration i - 1.
     if (threadIdx.x == 0) sm.unit[(i + 2) % 3] = take(i + 2);
     const int gi = u / tiles, tile = u - gi * tiles, ti = sm.groups.touched[gi];
-    const int first_slot = sm.routing.start[ti] + sm.groups.base[gi];
-    const int n = min(sm.routing.start[ti + 1] - first_slot, 8);
-    const int* slots = sm.routing.slot + first_slot;
+    const int first = sm.routing.start[ti] + sm.groups.base[gi];
+    const int n = min(sm.routing.start[ti + 1] - first, 8);
+    const int* slots = sm.routing.slot + first;
     const uint32_t b_off = uint32_t(slots[g < n ? g : 0] / a.top_k) * uint32_t(a.hidden);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -330,39 +322,8 @@ __device__ __forceinline__ void gate_up_pipelined_units(const moefuse_decode_arg
     // stores below.
     __syncthreads();
     gate_up_store(a, sm.partial[i & 1], slots, n, tile, 1);
-    if constexpr (kSignal) {
-      if (warp == 0) {
-        __threadfence();
-        __syncwarp();
-        if (lane == 0) atomicAdd(a.sync + kSyncExperts + ti, 1u);
-      }
-    }
     u = next;
   }
-}
-
-// The same gate_up as decode_gate_up_kernel (the same sums in the same order, so the same
-// bits), with the unit loop software-pipelined: a warp issues its next unit's loads right
-// after its MMAs of the current one, before the block barrier, and the current unit's sum,
-// activation and stores (warp 0) run while they are in flight. One barrier per unit (the
-// partials alternate between two buffers). An expert with more than 8 slots takes several
-// groups (the general kernel's 16-column pass holds the same per-column sums). Needs
-// hidden <= kGateUpWarps * kPipelinedChunks * kChunk (2048); a warp with no chunk (hidden
-// below 256) adds a zero partial, as in the general kernel.
-__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_pipelined_kernel(moefuse_decode_args a) {
-  __shared__ GateUpPipelinedShared sm;
-  wait_for_prerequisite();
-  allow_dependent_launch();
-  // The first two units' atomics are issued before the table build, which hides their
-  // round trip.
-  int first0 = 0, first1 = 0;
-  if (threadIdx.x == 0) {
-    first0 = a.unit_counter != nullptr ? int(atomicAdd(a.unit_counter, 1u)) : int(blockIdx.x);
-    first1 = a.unit_counter != nullptr ? int(atomicAdd(a.unit_counter, 1u)) : int(blockIdx.x + gridDim.x);
-  }
-  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  sm.groups.build(sm.routing, 8);
-  gate_up_pipelined_units<false>(a, sm, first0, first1);
 }
 
 // ---- down + combine ---------------------------------------------------------------------
@@ -471,146 +432,6 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) decode_down_kernel(moefuse
   }
 }
 
-// ---- one kernel: gate_up, then down items as each expert's h is ready -------------------
-
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// One down item of the one kernel, for one warp: y_e of a group of n <= 8 * NB slots of one
-// expert at the 16 columns from d0, over the whole K, into y_e_slots at the slots' routing
-// positions (and y_e_rows at their expert-major rows), as bf16.
-template <int NB>
-__device__ __forceinline__ void one_kernel_item(const moefuse_decode_args& a, const int* slots, int pos0, int n, const uint16_t* w_lo,
-                                const uint16_t* w_hi, int d0) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  uint32_t b_off[NB];  // tokens * top_k * intermediate < 2^30
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const int col = nb * 8 + g;
-    b_off[nb] = uint32_t(slots[col < n ? col : 0]) * uint32_t(a.intermediate);
-  }
-  float acc[NB][4];
-  // h was written by other blocks of this kernel: read through L2. Two column blocks
-  // (more than 8 slots of one expert: rare at tokens <= 32) take batches of 3 chunks: with
-  // 4, the kernel spills 4 bytes at 128 registers.
-  decode::mma_rows<NB, NB == 1 ? kBatch : 3, true>(acc, w_lo, w_hi, a.h, b_off, 0, a.intermediate / kChunk);
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = nb * 8 + 2 * t + half;
-      if (col >= n) continue;
-      const int s = slots[col];
-      uint16_t* row = a.y_e_slots + size_t(pos0 + col) * a.hidden + d0;
-      const uint16_t lo = bf16_bits(acc[nb][half]), hi = bf16_bits(acc[nb][2 + half]);
-      row[g] = lo;
-      row[g + 8] = hi;
-      decode::store_y_e(a, s, d0 + g, lo);
-      decode::store_y_e(a, s, d0 + g + 8, hi);
-    }
-  }
-}
-
-// The down work of the one kernel, per warp, once its block has no gate_up unit left (so
-// every unit has been claimed by a running block, and every wait below ends): items
-// (16-slot group of a touched expert, 16 columns of y) in expert order from a counter; an
-// item waits for its expert's h rows (expert_done), and the item that completes a tile sums
-// y[t] = w * y_e over each token's slots in slot order (fp32), as the down kernel does.
-__device__ __forceinline__ void one_kernel_down(const moefuse_decode_args& a, const Routing& rt, const decode::Groups& gr) {
-  uint32_t* sync = a.sync;
-  const int lane = threadIdx.x & 31, g = lane >> 2;
-  const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
-  const int unit_tiles = (gated ? 2 * a.intermediate : a.intermediate) / 16;
-  const int tiles = a.hidden / 16, items = gr.count * tiles;
-  for (;;) {
-    int item = 0;
-    if (lane == 0) item = int(atomicAdd(sync + kSyncItems, 1u));
-    item = __shfl_sync(0xffffffffu, item, 0);
-    if (item >= items) break;
-    const int gi = item / tiles, tile = item - gi * tiles, ti = gr.touched[gi];
-    // The expert's gate_up units: one per 8-slot group and 16 rows of W_e.
-    const uint32_t ready = uint32_t((rt.start[ti + 1] - rt.start[ti] + 7) / 8 * unit_tiles);
-    if (lane == 0) {
-      while (load_acquire(sync + kSyncExperts + ti) < ready) __nanosleep(100);
-    }
-    __syncwarp();  // orders the other lanes' h reads after lane 0's acquire
-    const int pos0 = rt.start[ti] + gr.base[gi];
-    const int n = min(rt.start[ti + 1] - pos0, 8 * kMaxGroupBlocks);
-    const int d0 = tile * 16;
-    const uint16_t* w = a.w_down + (size_t(rt.expert[ti]) * a.hidden + d0) * a.intermediate;
-    const uint16_t *w_lo = w + size_t(g) * a.intermediate, *w_hi = w + size_t(g + 8) * a.intermediate;
-    if (n <= 8) one_kernel_item<1>(a, rt.slot + pos0, pos0, n, w_lo, w_hi, d0);
-    else one_kernel_item<2>(a, rt.slot + pos0, pos0, n, w_lo, w_hi, d0);
-    __threadfence();
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(sync + kSyncTiles + tile, 1u) == uint32_t(gr.count - 1);
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (!last) continue;
-    __threadfence();
-    for (int i = lane; i < a.tokens * 16; i += 32) {
-      const int t = i >> 4, r = i & 15;
-      float v = 0.f;
-      for (int j = 0; j < a.top_k; ++j) {
-        const int sl = t * a.top_k + j, p = rt.position[sl];
-        if (p >= 0) {
-          const uint16_t e = __ldcg(a.y_e_slots + size_t(p) * a.hidden + d0 + r);
-          v += a.topk_weights[sl] * __bfloat162float(__ushort_as_bfloat16(e));
-        }
-      }
-      a.y[size_t(t) * a.hidden + d0 + r] = bf16_bits(v);
-    }
-  }
-  // The last warp to leave zeroes the words for the next call (every other warp is done
-  // with them).
-  int last = 0;
-  if (lane == 0) last = atomicAdd(sync + kSyncLeave, 1u) == gridDim.x * (blockDim.x / 32) - 1;
-  last = __shfl_sync(0xffffffffu, last, 0);
-  if (last) {
-    __threadfence();
-    for (int i = lane; i < rt.touched; i += 32) sync[kSyncExperts + i] = 0u;
-    for (int i = lane; i < tiles; i += 32) sync[kSyncTiles + i] = 0u;
-    if (lane == 0) {
-      *a.unit_counter = 0u;
-      sync[kSyncItems] = 0u;
-      sync[kSyncLeave] = 0u;
-    }
-  }
-}
-
-// The whole decode forward in one grid of the gate_up's shape (hidden <= 2048, tokens <=
-// kPipelinedMaxTokens, a.sync, a.y_e_slots and a.unit_counter given): the pipelined gate_up
-// over every unit, then each warp takes down items, whose experts' h rows were finished by
-// then or soon after: no phase barrier, so the down weights stream while the last gate_up
-// units are in flight. Tokens with no valid slot get y = 0 (their tiles still complete,
-// except when no slot at all is valid: then block 0 writes the zeros).
-// NOTES: the 8-slot groups of the gate_up units are rebuilt as the 16-slot groups of the down
-// items once the block's units ran out (a block barrier there): both side by side took 51 KB
-// of static shared memory, over the 48 KB a block may declare statically.
-__global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_one_kernel(moefuse_decode_args a) {
-  __shared__ GateUpPipelinedShared sm;
-  wait_for_prerequisite();
-  allow_dependent_launch();
-  int first0 = 0, first1 = 0;
-  if (threadIdx.x == 0) {
-    first0 = int(atomicAdd(a.unit_counter, 1u));
-    first1 = int(atomicAdd(a.unit_counter, 1u));
-  }
-  sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
-  sm.groups.build(sm.routing, 8);
-  if (sm.routing.touched == 0 && blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < a.tokens * a.hidden; i += blockDim.x) a.y[i] = 0;
-  }
-  gate_up_pipelined_units<true>(a, sm, first0, first1);
-  // Every thread of the block left the unit loop together (its end is block-uniform), and
-  // warp 0's last stores read the routing table only.
-  sm.groups.build(sm.routing, 8 * kMaxGroupBlocks);
-  one_kernel_down(a, sm.routing, sm.groups);
-}
-
 // ---- host -------------------------------------------------------------------------------
 
 // Resident blocks per device of the two kernels; the down kernel's dynamic shared memory
@@ -649,12 +470,12 @@ moefuse_status check(const moefuse_decode_args* a, const char* name) {
       a->w_down == nullptr || a->h == nullptr || a->y == nullptr) {
     return fail(MOEFUSE_STATUS_INVALID_PROBLEM, "%s: a required pointer is null", name);
   }
-  const void* rows[] = {a->x, a->w_gate_up, a->w_down, a->h, a->y, a->h_pre_rows, a->h_rows, a->y_e_rows, a->y_e_slots};
+  const void* rows[] = {a->x, a->w_gate_up, a->w_down, a->h, a->y, a->h_pre_rows, a->h_rows, a->y_e_rows};
   for (const void* p : rows) {
     if (!aligned16(p)) return fail(MOEFUSE_STATUS_MISALIGNED, "%s: a bf16 matrix is not 16-byte aligned", name);
   }
-  if (!aligned_for(a->unit_counter) || !aligned_for(a->sync)) {
-    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: unit_counter or sync is not 4-byte aligned", name);
+  if (!aligned_for(a->unit_counter)) {
+    return fail(MOEFUSE_STATUS_MISALIGNED, "%s: unit_counter is not 4-byte aligned", name);
   }
   return MOEFUSE_STATUS_OK;
 }
@@ -689,12 +510,6 @@ extern "C" moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* 
   up.numAttrs = 1;
   const bool pipelined =
       a->hidden <= kGateUpWarps * kPipelinedChunks * kChunk && a->tokens <= kPipelinedMaxTokens;
-  if (pipelined && a->sync != nullptr && a->y_e_slots != nullptr && a->unit_counter != nullptr) {
-    // One grid of the gate_up's resident shape: its warps take down items as the units run out.
-    up.gridDim = dim3(grids.gate_up);
-    if (cudaLaunchKernelEx(&up, decode_one_kernel, *a) != cudaSuccess) return after_launch(name);
-    return after_launch(name);
-  }
   auto* gate_up = pipelined ? decode_gate_up_pipelined_kernel : decode_gate_up_kernel;
   if (cudaLaunchKernelEx(&up, gate_up, *a) != cudaSuccess) return after_launch(name);
   if (moefuse_status st = after_launch(name); st != MOEFUSE_STATUS_OK) return st;

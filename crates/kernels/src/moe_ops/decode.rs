@@ -37,7 +37,7 @@ pub const DECODE_DIM_MULTIPLE: usize = 32;
 ///     experts: e, kind: ActivationKind::SwiGlu, layout: GateUpLayout::Split,
 ///     topk_ids: &ids, topk_weights: &w, x: &x, w_gate_up: &gate_up, w_down: &down,
 ///     h: &mut h, y: &mut y, row_of: None, h_pre_rows: None, h_rows: None, y_e_rows: None,
-///     errors: None, unit_counter: None, sync: None, y_e_slots: None })?;
+///     errors: None, unit_counter: None })?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct DecodeForward<'a> {
@@ -84,14 +84,6 @@ pub struct DecodeForward<'a> {
     /// take more, and the down kernel zeroes it again; or `None`: fixed shares. The same
     /// sums in the same order either way, so the same bits.
     pub unit_counter: Option<&'a mut dyn DevicePtrMut<u32>>,
-    /// `[ffi::MOEFUSE_DECODE_SYNC_WORDS]` words, zero before their first use, that the
-    /// one-kernel path keeps (one stream at a time), or `None`. With `unit_counter` and
-    /// `y_e_slots`, at `hidden ≤ 2048` and `tokens ≤ 32`, one kernel runs the whole
-    /// forward: each expert's down work starts once its own `h` rows are written. Its
-    /// `y_e` sums the whole K at once (the two kernels sum K splits), so its bits differ.
-    pub sync: Option<&'a mut dyn DevicePtrMut<u32>>,
-    /// `[tokens · top_k, hidden]` slot-major scratch of the one-kernel path, or `None`.
-    pub y_e_slots: Option<&'a mut dyn DevicePtrMut<bf16>>,
 }
 
 impl<'a> DecodeForward<'a> {
@@ -174,13 +166,6 @@ impl<'a> DecodeForward<'a> {
         )?;
         let errors = b.write_opt("errors", self.errors, 1, 4)?;
         let unit_counter = b.write_opt("unit_counter", self.unit_counter, 1, 4)?;
-        let sync = b.write_opt("sync", self.sync, ffi::MOEFUSE_DECODE_SYNC_WORDS, 4)?;
-        let y_e_slots = b.write_opt(
-            "y_e_slots",
-            self.y_e_slots,
-            extent(kernel, "y_e_slots", &[tk, d])?,
-            ROW_ALIGN,
-        )?;
         Ok(Some(Call::DecodeForward(ffi::MoefuseDecodeArgs {
             tokens: to_i32(kernel, "tokens", t)?,
             top_k: to_i32(kernel, "top_k", k)?,
@@ -204,8 +189,6 @@ impl<'a> DecodeForward<'a> {
             y_e_rows: y_e_rows as *mut _,
             errors: errors as *mut u32,
             unit_counter: unit_counter as *mut u32,
-            sync: sync as *mut u32,
-            y_e_slots: y_e_slots as *mut _,
         })))
     }
 }

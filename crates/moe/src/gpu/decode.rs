@@ -119,12 +119,11 @@ pub fn decode_forward(
     saved: Option<DecodeSaved<'_>>,
     errors: &mut DeviceErrors,
 ) -> Result<(), MoeError> {
-    decode_forward_with(None, cfg, stream, inputs, h, y, None, saved, errors)
+    decode_forward_with(None, cfg, stream, inputs, h, y, saved, errors)
 }
 
 /// [`decode_forward`] through `kernels` (the layer's handle), or a handle bound for the
-/// call. With `y_e_slots` (`[T·k, hidden]` scratch), one kernel runs the whole forward
-/// where it applies (`hidden ≤ 2048`, `T ≤ 32`; moe_abi.h), in Inference and Training alike.
+/// call.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn decode_forward_with(
     kernels: Option<&Kernels>,
@@ -133,7 +132,6 @@ pub(super) fn decode_forward_with(
     inputs: DecodeInputs<'_>,
     h: &mut dyn DevicePtrMut<bf16>,
     y: &mut dyn DevicePtrMut<bf16>,
-    y_e_slots: Option<&mut dyn DevicePtrMut<bf16>>,
     saved: Option<DecodeSaved<'_>>,
     errors: &mut DeviceErrors,
 ) -> Result<(), MoeError> {
@@ -153,9 +151,7 @@ pub(super) fn decode_forward_with(
             ),
             None => (None, None, None, None),
         };
-    let (mut bits, mut words) = errors.split_for_decode();
-    let (mut unit_counter, mut sync) = words.split_at_mut(1);
-    let one_kernel = y_e_slots.is_some();
+    let (mut bits, mut unit_counter) = errors.split_for_decode();
     kernels.launch(
         stream,
         mk::DecodeForward {
@@ -179,8 +175,6 @@ pub(super) fn decode_forward_with(
             y_e_rows,
             errors: Some(&mut bits),
             unit_counter: Some(&mut unit_counter),
-            sync: if one_kernel { Some(&mut sync) } else { None },
-            y_e_slots: y_e_slots.map(|p| &mut *p as &mut dyn DevicePtrMut<bf16>),
         },
     )?;
     Ok(())

@@ -6,11 +6,10 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut};
 use moefuse_kernels::ffi;
 use std::sync::Arc;
 
-/// `u32` words in device memory: `[0]` the error bits the permutation and combine kernels
-/// raise (`MOEFUSE_MOE_ERROR_*` in `moe_abi.h`), `[1]` the token count of the last
+/// Three `u32` words in device memory: `[0]` the error bits the permutation and combine
+/// kernels raise (`MOEFUSE_MOE_ERROR_*` in `moe_abi.h`), `[1]` the token count of the last
 /// permutation (the stamp the layer's backward compares with its own), `[2]` the decode
-/// forward's unit counter and `[3..]` its one-kernel path's sync words (all zero after
-/// every forward).
+/// forward's unit counter (zero after every forward).
 ///
 /// Kernels only ever set bits (never clear them) and skip the offending slot, so a bad
 /// device value never leads to an access outside a buffer. Reading the word needs a host
@@ -36,7 +35,7 @@ pub struct DeviceErrors {
 
 impl DeviceErrors {
     /// The `u32` words it holds (the layout above); the layer's memory plan counts them.
-    pub(crate) const WORDS: usize = 3 + ffi::MOEFUSE_DECODE_SYNC_WORDS;
+    pub(crate) const WORDS: usize = 3;
     /// The index of the decode forward's unit counter among the words.
     const UNIT_COUNTER: usize = 2;
 
@@ -54,8 +53,7 @@ impl DeviceErrors {
     }
 
     /// The words the decode forward takes: the error bits and the permutation stamp
-    /// before [`Self::UNIT_COUNTER`]; from it on the unit counter (one word), then the
-    /// one-kernel path's sync words.
+    /// before [`Self::UNIT_COUNTER`], and the unit counter from it on.
     pub(crate) fn split_for_decode(&mut self) -> (CudaViewMut<'_, u32>, CudaViewMut<'_, u32>) {
         self.words.split_at_mut(Self::UNIT_COUNTER)
     }

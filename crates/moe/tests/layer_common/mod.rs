@@ -13,12 +13,7 @@ use moefuse::model::MoeWeights;
 use moefuse::reference::RoutingInput;
 use moefuse::{reference, Activation, GateUpLayout, MoeConfig, RouterKind};
 use moefuse_testkit::{check_close, Rng, POISON_BF16};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-/// Whether the layers these helpers build run the decode path as one kernel
-/// ([`MoeLayer::set_decode_one_kernel`]); the decode suite runs its cases both ways.
-pub static DECODE_ONE_KERNEL: AtomicBool = AtomicBool::new(false);
 
 pub fn e<E: std::fmt::Display>(x: E) -> String {
     x.to_string()
@@ -324,7 +319,6 @@ fn set_decode(layer: &mut MoeLayer, decode: bool) {
     } else {
         DecodePath::Never
     });
-    layer.set_decode_one_kernel(DECODE_ONE_KERNEL.load(Ordering::Relaxed));
 }
 
 /// One forward + backward of `case` on the GPU against the reference.

@@ -17,7 +17,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct layout or launcher signature changes. */
-#define MOEFUSE_ABI_VERSION 7
+#define MOEFUSE_ABI_VERSION 6
 
 typedef enum moefuse_status {
   MOEFUSE_STATUS_OK = 0,

@@ -296,17 +296,9 @@ moefuse_status moefuse_moe_columns_to_f32(const moefuse_columns_to_f32_args* arg
  * unit_counter: a word, zero before its first use, then owned by the kernels (one caller
  * stream at a time): the gate_up kernel's blocks take their units from it (and the down
  * kernel zeroes it again); NULL: each block takes a fixed share.
- * One kernel instead of two (decode_one_kernel in moe/decode.cu) where hidden <= 2048, tokens <= 32 and both
- * sync (MOEFUSE_DECODE_SYNC_WORDS words, zero before their first use, then owned by the
- * kernel like unit_counter) and y_e_slots (slot-major bf16 scratch [tokens*top_k, hidden])
- * are given, with unit_counter: the down work of an expert starts as soon as that expert's
- * h rows are written, not after the whole gate_up. Its y_e is one fp32 sum over the whole K
- * (the two kernels sum K splits), so its bits differ from the pair's; it serves Inference
- * and Training alike.
  */
 #define MOEFUSE_DECODE_MAX_TOKENS 64
 #define MOEFUSE_DECODE_MAX_SLOTS 1024
-#define MOEFUSE_DECODE_SYNC_WORDS 1024
 typedef struct moefuse_decode_args {
   int32_t tokens;
   int32_t top_k;
@@ -330,8 +322,6 @@ typedef struct moefuse_decode_args {
   uint16_t* y_e_rows;           /* [tokens*top_k, hidden], or NULL */
   uint32_t* errors;             /* [1] error bits, or NULL */
   uint32_t* unit_counter;       /* [1] zeroed word the kernels keep, or NULL */
-  uint32_t* sync;               /* [MOEFUSE_DECODE_SYNC_WORDS] zeroed words the one kernel keeps, or NULL */
-  uint16_t* y_e_slots;          /* [tokens*top_k, hidden] bf16 scratch of the one kernel, or NULL */
 } moefuse_decode_args;
 
 moefuse_status moefuse_moe_decode_forward(const moefuse_decode_args* args, void* stream);

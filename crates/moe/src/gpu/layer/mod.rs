@@ -268,7 +268,6 @@ pub struct MoeLayer {
     activation_backward_path: ActivationBackwardPath,
     /// When forwards run the decode kernels.
     decode_path: DecodePath,
-    decode_one_kernel: bool,
 }
 
 impl MoeLayer {
@@ -330,7 +329,6 @@ impl MoeLayer {
             gate_up_path: GateUpPath::Auto,
             activation_backward_path: ActivationBackwardPath::Auto,
             decode_path: DecodePath::Auto,
-            decode_one_kernel: false,
         })
     }
 
@@ -367,39 +365,6 @@ impl MoeLayer {
     /// ```
     pub fn set_decode_path(&mut self, path: DecodePath) {
         self.decode_path = path;
-    }
-
-    /// Whether the decode path runs as one kernel where it can (`hidden ≤ 2048`,
-    /// `T ≤ 32`; moe_abi.h `moefuse_decode_args`): each expert's down work starts as soon
-    /// as its own `h` rows are written, instead of after the whole gate_up kernel. Off by
-    /// default until it is measured on a GPU (docs/perf-notes.md, session 29). Its `y_e`
-    /// sums the whole K at once, so its bits differ from the two kernels'; Inference and
-    /// Training still take the same kernels for the same `T`.
-    ///
-    /// ```no_run
-    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
-    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
-    /// let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
-    /// let layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
-    /// assert!(!layer.decode_one_kernel());
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn decode_one_kernel(&self) -> bool {
-        self.decode_one_kernel
-    }
-
-    /// Sets [`MoeLayer::decode_one_kernel`].
-    ///
-    /// ```no_run
-    /// # use moefuse::{gpu::{Mode, MoeLayer, MoePlan}, MoeConfig};
-    /// # let ctx = cudarc::driver::CudaContext::new(0)?;
-    /// # let plan = MoePlan::new(MoeConfig::new(64, 64, 4, 2), 8)?;
-    /// let mut layer = MoeLayer::new(&ctx.default_stream(), &plan, Mode::Inference)?;
-    /// layer.set_decode_one_kernel(true);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn set_decode_one_kernel(&mut self, on: bool) {
-        self.decode_one_kernel = on;
     }
 
     /// The gate_up path a forward of `tokens` tokens runs ([`GateUpPath::Auto`] resolved).

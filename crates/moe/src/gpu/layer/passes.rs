@@ -155,9 +155,7 @@ impl MoeLayer {
             None => (None, None),
         };
         let mut scratch = workspace.slots(layout);
-        // y_e's slot holds the one-kernel path's slot-major y_e (moe_abi.h), when on.
-        let one_kernel = self.decode_one_kernel;
-        let (mut h, mut y_e) = scratch.pair_mut(H, Y_E);
+        let mut h = scratch.get_mut(H);
         let (p, s) = (&mut self.profile, cx.stream);
         p.begin(s)?;
         if let Some((sx, _, identity)) = &mut saved {
@@ -180,8 +178,7 @@ impl MoeLayer {
             None => None,
         };
         let errors = &mut perm.errors;
-        let y_e = one_kernel.then_some(&mut y_e as &mut dyn DevicePtrMut<bf16>);
-        let decode = cx.decode(t, x, w, r.ids, r.weights, &mut h, y_e, y, saved, errors);
+        let decode = cx.decode(t, x, w, r.ids, r.weights, &mut h, y, saved, errors);
         p.stage(s, "decode (gate_up+down)", decode)?;
         let (routed, in_place) = (r.routed, r.in_place);
         self.last = Some(LastForward {

@@ -520,11 +520,10 @@ mod tests {
         // Saved: x [8192, 2048] (32 MiB) and h_pre [R, 1536] (192 MiB), bf16.
         assert_eq!(train.activations, 224 * MIB);
         assert_eq!(train.logits, 4 * MIB);
-        // ids, weights, row_of, source_of: 4 × 256 KiB; counts, offsets: 1 KiB; the error,
-        // stamp and unit counter words and the decode one kernel's 1024 sync words; permute
-        // scratch: 32 chunks × 128 experts × 4 bytes; in Training the identity rows (32 KiB)
-        // and the d_topk_weights partials (R × 3 blocks of 256 columns, fp32).
-        let routing = 4 * r * 4 + 1024 + (3 + 1024) * 4 + 32 * 128 * 4;
+        // ids, weights, row_of, source_of: 4 × 256 KiB; counts, offsets: 1 KiB; 12 bytes;
+        // permute scratch: 32 chunks × 128 experts × 4 bytes; in Training the identity rows
+        // (32 KiB) and the d_topk_weights partials (R × 3 blocks of 256 columns, fp32).
+        let routing = 4 * r * 4 + 1024 + 12 + 32 * 128 * 4;
         assert_eq!(train.routing, routing + 8192 * 4 + r * 3 * 4);
         assert_eq!(train.saved_for_backward(), 228 * MIB + train.routing);
         assert!(

@@ -204,8 +204,7 @@ impl Cx<'_> {
         }
     }
 
-    /// The decode kernels: `y` from `x` and the routing, `h` and `y_e` their slot-major
-    /// scratch (`y_e`, when given, selects the one-kernel path where it applies), the
+    /// The decode kernels: `y` from `x` and the routing, `h` their slot-major scratch, the
     /// expert-major copies into `saved` (Training).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decode(
@@ -216,7 +215,6 @@ impl Cx<'_> {
         ids: &CudaSlice<i32>,
         weights: &CudaSlice<f32>,
         h: &mut dyn DevicePtrMut<bf16>,
-        y_e: Option<&mut dyn DevicePtrMut<bf16>>,
         y: &mut dyn DevicePtrMut<bf16>,
         saved: Option<DecodeSaved<'_>>,
         errors: &mut DeviceErrors,
@@ -230,7 +228,7 @@ impl Cx<'_> {
             down: &w.down,
         };
         let (k, c, s) = (self.kernels(), self.plan.config(), self.stream);
-        decode_forward_with(k, c, s, inputs, h, y, y_e, saved, errors)
+        decode_forward_with(k, c, s, inputs, h, y, saved, errors)
     }
 
     /// One grouped GEMM over the expert-major rows `offsets` delimits.

@@ -227,16 +227,9 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
 // and predicated MMAs (b57ebaa), or extra batches of U/2 and U/4 for the rest, left fewer
 // loads before the first MMA (4.5 of 8; spills): Qwen3-30B-A3B decode 9-12 % slower at every
 // T (H100, 2026-12-07, docs/perf-notes.md "Session 28").
-// kCoherentB: B was written by other blocks of the same kernel (the one-kernel path's h),
-// so it is read through L2 (ld.global.cg), not the non-coherent read-only path.
-template <int NB, int U, bool kCoherentB = false>
+template <int NB, int U>
 __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_lo, const uint16_t* a_hi,
                                          const uint16_t* b, const uint32_t (&b_off)[NB], int c0, int c1) {
-  auto load_b = [&](int nb, int c) {
-    const uint4* p = reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + (threadIdx.x & 3) * 8);
-    if constexpr (kCoherentB) return __ldcg(p);
-    else return __ldg(p);
-  };
   const int k8 = (threadIdx.x & 3) * 8;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
@@ -254,7 +247,8 @@ __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        mma_chunk(acc[nb], lo[u], hi[u], load_b(nb, c + u));
+        const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + (c + u) * kChunk + k8));
+        mma_chunk(acc[nb], lo[u], hi[u], bv);
       }
     }
   }
@@ -262,7 +256,8 @@ __device__ __forceinline__ void mma_rows(float (&acc)[NB][4], const uint16_t* a_
     const uint4 lo = load_stream(a_lo + c * kChunk + k8), hi = load_stream(a_hi + c * kChunk + k8);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      mma_chunk(acc[nb], lo, hi, load_b(nb, c));
+      const uint4 bv = __ldg(reinterpret_cast<const uint4*>(b + b_off[nb] + c * kChunk + k8));
+      mma_chunk(acc[nb], lo, hi, bv);
     }
   }
 }
