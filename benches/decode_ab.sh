@@ -41,7 +41,6 @@ if [ -n "${BASE_PACK:-}" ]; then
   say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
 fi
 arm_pack() { case $1 in base) echo "$BASE_PACK" ;; *) echo "$pack" ;; esac; }
-arms=$arm_list
 ab() { # MODELS TOKENS ARM...
   local models=$1 tokens=$2 name
   shift 2
@@ -57,7 +56,7 @@ ab() { # MODELS TOKENS ARM...
 ab qwen3-30b-a3b 1,2,4,8,16,32,64 $arm_list
 ab mixtral-8x7b 1,2,4,8 $two_arms
 ab deepseek-v3 1,2,4 $two_arms
-python3 - "$logs" $arms >>"$summary" <<'PY'
+python3 - "$logs" $arm_list >>"$summary" <<'PY'
 import json, os, sys
 rows, arms = {}, sys.argv[2:]
 for arm in arms:
@@ -74,7 +73,7 @@ for case, v in rows.items():
     print(("%-36s" + " %28s" * len(arms)) % (case, *(cell(v.get(a)) for a in arms)))
 PY
 mkdir -p "$out/ab"
-for arm in $arms; do cp "$logs/ab_$arm/moe.jsonl" "$out/ab/$arm.jsonl" 2>/dev/null; done
+for arm in $arm_list; do cp "$logs/ab_$arm/moe.jsonl" "$out/ab/$arm.jsonl" 2>/dev/null; done
 tokens=1,2,4,8,16,32,64,128
 models=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
 if [ "$(left)" -gt 150 ]; then
@@ -94,16 +93,18 @@ if [ "$(left)" -gt 150 ]; then
 fi
 # 4. with time left, Nsight Compute on the decode kernels at Qwen3-30B-A3B T = 1 (stall
 #    reasons and SASS counters in OUT_DIR/ncu/<arm>/: details.txt, ncu.source.csv.xz).
-for name in as_built; do
-  if [ "$(left)" -lt 50 ]; then say "ncu $name skipped: out of time"; continue; fi
-  mkdir -p "$out/ncu/$name"
-  OUT=$out/ncu/$name NCU_SKIP=4 NCU_COUNT=2 \
+if [ "$(left)" -lt 50 ]; then
+  say "ncu skipped: out of time"
+else
+  n=$out/ncu/as_built
+  mkdir -p "$n"
+  OUT=$n NCU_SKIP=4 NCU_COUNT=2 \
     timeout $(($(left) - 10)) "$pack/run.sh" ncu 'decode_' bench_moe --models qwen3-30b-a3b --tokens 1 --samples 3 \
-    --out "$logs/ncu_bench" >"$out/ncu/$name/details.txt" 2>&1
-  say "ncu $name: exit $?"
-  rm -f "$out/ncu/$name/ncu.ncu-rep"
-  [ -f "$out/ncu/$name/ncu.source.csv" ] && xz -9 "$out/ncu/$name/ncu.source.csv"
-done
+    --out "$logs/ncu_bench" >"$n/details.txt" 2>&1
+  say "ncu: exit $?"
+  rm -f "$n/ncu.ncu-rep"
+  [ -f "$n/ncu.source.csv" ] && xz -9 "$n/ncu.source.csv"
+fi
 tar -cf "$out/ncu.tar" -C "$out" ncu 2>/dev/null && rm -rf "$out/ncu"
 # 5. with time left, racecheck of decode_gpu (the pipelined gate_up's partials alternate
 #    between two shared buffers with one barrier per unit).

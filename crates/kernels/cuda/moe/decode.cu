@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   allow_dependent_launch();
   // The first unit's atomic is issued before the table build, which hides its round trip.
   uint32_t* counter = a.unit_counter;
-  const int first = counter != nullptr && threadIdx.x == 0 ? int(atomicAdd(counter, 1u)) : int(blockIdx.x);
+  int first_unit = 0;
+  if (counter != nullptr && threadIdx.x == 0) first_unit = int(atomicAdd(counter, 1u));
   sm.routing.build(a.topk_ids, a.tokens * a.top_k, a.experts, blockIdx.x == 0 ? a.errors : nullptr);
   const bool gated = a.activation != MOEFUSE_ACTIVATION_RELU2;
   const int width = gated ? 2 * a.intermediate : a.intermediate;
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(kGateUpWarps * 32, 2) decode_gate_up_kernel(mo
   const int c0 = chunks * warp / kGateUpWarps, c1 = chunks * (warp + 1) / kGateUpWarps;
   int u = blockIdx.x;
   if (counter != nullptr) {
-    if (threadIdx.x == 0) sm.next[0] = first;
+    if (threadIdx.x == 0) sm.next[0] = first_unit;
     __syncthreads();
     u = sm.next[0];
   }
