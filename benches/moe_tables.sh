@@ -25,6 +25,8 @@ summary=$out/summary.txt
 mkdir -p "$out" "$logs/b"
 left() { echo $((budget - ($(date +%s) - t0))); }
 say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
+# The torch rows carry the pack's commit, as the pack's own benches do.
+export MOEFUSE_COMMIT=${MOEFUSE_COMMIT:-$(cat "$pack/COMMIT" 2>/dev/null || echo unknown)}
 say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
 for filter in "$@"; do
   if [ "$(left)" -lt 200 ]; then say "tests $filter skipped: out of time"; continue; fi

@@ -57,14 +57,34 @@ pub fn run() -> Result<()> {
             println!("bench-report: no markers for suite {suite} in docs/benchmarks.md; skipped");
             continue;
         };
-        let mut table = render(&rows);
-        if suite == "grouped_gemm" {
-            table.push_str(&grouped_targets(&rows));
+        let mut table = String::new();
+        let groups = by_gpu(&rows);
+        for (gpu, rows) in &groups {
+            if groups.len() > 1 {
+                let _ = writeln!(table, "{}**{gpu}**\n", if table.is_empty() { "" } else { "\n" });
+            }
+            table.push_str(&render(rows));
+            if suite == "grouped_gemm" {
+                table.push_str(&grouped_targets(rows));
+            }
         }
         doc.replace_range(a + open.len()..b, &format!("\n{table}"));
         println!("bench-report: {suite}: {} rows", rows.len());
     }
     fs::write(&doc_path, doc).map_err(|e| e.to_string())
+}
+
+/// The rows of each GPU, in order of the GPUs' first appearance: a table never sets one
+/// card's figures beside another's (ratios are meaningful only within one card).
+fn by_gpu(rows: &[Row]) -> Vec<(String, Vec<Row>)> {
+    let mut groups: Vec<(String, Vec<Row>)> = Vec::new();
+    for r in rows {
+        match groups.iter_mut().find(|(g, _)| *g == r.gpu) {
+            Some((_, v)) => v.push(r.clone()),
+            None => groups.push((r.gpu.clone(), vec![r.clone()])),
+        }
+    }
+    groups
 }
 
 /// One row per case, one column per backend (in order of first appearance), then the
@@ -235,6 +255,24 @@ mod tests {
             date: "2026-12-03".into(),
             commit: commit.into(),
         }
+    }
+
+    #[test]
+    fn each_gpu_gets_its_own_rows() {
+        let mut rows = vec![
+            row("a-fwd", "moefuse", 100.0, "new"),
+            row("a-fwd", "torch_moe", 150.0, "new"),
+        ];
+        let mut h100 = row("a-fwd", "moefuse", 120.0, "newer");
+        h100.gpu = "H100".into();
+        rows.push(h100);
+        let groups = by_gpu(&rows);
+        assert_eq!(groups.len(), 2);
+        assert_eq!((groups[0].0.as_str(), groups[0].1.len()), ("H200", 2));
+        assert_eq!((groups[1].0.as_str(), groups[1].1.len()), ("H100", 1));
+        // The H200 table's ratio is its own rows' (150 / 100), not against the H100 row.
+        assert!(render(&groups[0].1).contains("1.50×"));
+        assert!(!render(&groups[1].1).contains('×'));
     }
 
     #[test]
