@@ -61,7 +61,11 @@ pub fn run() -> Result<()> {
         let groups = by_gpu(&rows);
         for (gpu, rows) in &groups {
             if groups.len() > 1 {
-                let _ = writeln!(table, "{}**{gpu}**\n", if table.is_empty() { "" } else { "\n" });
+                let _ = writeln!(
+                    table,
+                    "{}**{gpu}**\n",
+                    if table.is_empty() { "" } else { "\n" }
+                );
             }
             table.push_str(&render(rows));
             if suite == "grouped_gemm" {

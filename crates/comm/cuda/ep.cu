@@ -78,6 +78,7 @@
 #include <nvshmemx.h>
 
 #include "moefuse/comm/ep_params.h"
+#include "moefuse/common/pdl.cuh"
 #include "moefuse/common/rank_slots.cuh"
 #include "moefuse/common/rows.cuh"
 #include "moefuse/spec.h"
@@ -426,33 +427,51 @@ __device__ __forceinline__ void count_chunk(const moefuse_ep_params& p, int* sme
 
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_count(moefuse_ep_params p) {
   extern __shared__ int smem[];
+  // dispatch (launched programmatically behind this kernel) may become resident now: it
+  // reads nothing this kernel writes before its griddepcontrol.wait.
+  moefuse::allow_dependent_launch();
   count_chunk(p, smem);
 }
 
 // ---- dispatch: grid G, block 256 ------------------------------------------------------
+// Launched programmatically behind count: its blocks become resident while count (and its
+// notify) runs, and each warp loads its first token's routing and the head of its row (the
+// call's inputs, complete before count began) before waiting for count; everything count
+// writes (epoch, fault, bases, positions) is read after the wait, and nothing is written
+// before it. After a token's stores each warp loads its next token's head and routing, whose
+// round trip then overlaps that of the next token's bases and positions.
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefuse_ep_params p) {
   __shared__ PeerTable peers;
   __shared__ uint4* dst_rows[kWarps][kMaxTopK];
-  const uint64_t epoch = *p.epoch;
-  if (skip_send(p, epoch)) return;
+  __shared__ uint4 heads[kWarps][kHeadVectors];  // 32 KB: each warp's current row head
   fill_peers(peers, p);
-  const int C = row_width(p), k = p.top_k, D = p.hidden;
+  const int k = p.top_k, D = p.hidden, n = D / 8;
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps;
-  for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.tokens; t += warps) {
+  int t = blockIdx.x * kWarps + threadIdx.x / 32;
+  uint4* head = heads[threadIdx.x / 32];
+  int e = -1;
+  float w = 0.f;
+  auto load_token = [&](int tok) {
+    load_row_head(head, reinterpret_cast<const uint4*>(p.x + size_t(tok) * D), n, lane);
+    e = lane < k ? p.topk_ids[size_t(tok) * k + lane] : -1;
+    w = lane < k ? p.topk_weights[size_t(tok) * k + lane] : 0.f;
+  };
+  if (t < p.tokens) load_token(t);
+  moefuse::wait_for_prerequisite();
+  const uint64_t epoch = *p.epoch;
+  if (skip_send(p, epoch)) return;
+  const int C = row_width(p);
+  for (; t < p.tokens; t += warps) {
     const int* base = p.chunk_cnt + (t / kChunk) * C;
-    int e = -1, row_in_expert = -1;
-    float w = 0.f;
-    if (lane < k) {
-      e = p.topk_ids[t * k + lane];
-      w = p.topk_weights[t * k + lane];
-      if (e >= 0 && e < p.experts) row_in_expert = p.dest_row_base[e] + base[e] + p.pos_local[t * k + lane];
-    }
+    int row_in_expert = -1;
+    if (lane < k && e >= 0 && e < p.experts) row_in_expert = p.dest_row_base[e] + base[e] + p.pos_local[t * k + lane];
     const uint16_t* src = p.x + size_t(t) * D;
+    const uint4* src4 = reinterpret_cast<const uint4*>(src);
     if (p.pull) {
       // Pull: the row goes once into this rank's x_home, where every receiver reads it.
       uint4* home = reinterpret_cast<uint4*>(p.x_home + size_t(t) * D);
-      warp_copy_row_to(&home, 1, reinterpret_cast<const uint4*>(src), D / 8, lane);
+      warp_copy_row_with_head(&home, 1, head, src4, n, lane);
     }
     for (int d = 0; d < p.ranks; ++d) {
       const int tp = p.tokpos[t * p.ranks + d];
@@ -485,15 +504,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
         if (lane < k) p.stage_w[i * k + lane] = w;
         if (!p.pull) {
           __syncwarp();
-          warp_copy_row_to(dst_rows[threadIdx.x / 32], __popc(valid), reinterpret_cast<const uint4*>(src), D / 8,
-                           lane);
+          warp_copy_row_with_head(dst_rows[threadIdx.x / 32], __popc(valid), head, src4, n, lane);
         }
         __syncwarp();
       } else if (uint16_t* peer_x = peers.stage_x[d]) {
         // (pull: every peer is load/store reachable, checked at construction)
         if (!p.pull) {
           uint4* dst = reinterpret_cast<uint4*>(peer_x + i * D);
-          warp_copy_row_to(&dst, 1, reinterpret_cast<const uint4*>(src), D / 8, lane);
+          warp_copy_row_with_head(&dst, 1, head, src4, n, lane);
         }
         if (lane <= k) peers.stage_info[d][i * (k + 1) + lane] = info;
         if (lane < k) peers.stage_w[d][i * k + lane] = w;
@@ -503,6 +521,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
         if (lane < k) nvshmem_float_p(p.stage_w + i * k + lane, w, d);
       }
     }
+    if (t + warps < p.tokens) load_token(t + warps);
   }
   last_block_signals(p, p.done + 0, p.disp_sig, epoch);
 }

@@ -112,6 +112,50 @@ impl DeviceModule {
         unsafe { self.launch_params(kernel, stream, grid, block, smem, &mut params) }
     }
 
+    /// Launches `kernel` with one by-value argument `args`, programmatically dependent on
+    /// the kernel before it on `stream` (programmatic stream serialization): its blocks may
+    /// become resident once every block of that kernel ran `griddepcontrol.launch_dependents`
+    /// (or exited), and must run `griddepcontrol.wait` before reading anything it writes.
+    ///
+    /// # Safety
+    /// As [`DeviceModule::launch`], and the kernel must wait (`griddepcontrol.wait`) before
+    /// it touches any memory the previous kernel writes or reads.
+    pub(crate) unsafe fn launch_dependent<A>(
+        &self,
+        kernel: Kernel,
+        stream: &CudaStream,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<(), CommError> {
+        let mut params = [args as *const A as *mut c_void];
+        // SAFETY: an all-zero CUlaunchAttribute is a valid value of the C union; the id and
+        // the one field it selects are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: forwarded from the caller's contract; `config` and `attr` live across the
+        // call, and the driver copies the arguments before returning.
+        unsafe {
+            sys::cuLaunchKernelEx(&config, kernel.0, params.as_mut_ptr(), std::ptr::null_mut())
+        }
+        .result()
+        .map_err(cuda)
+    }
+
     /// Launches `kernel` with `params`, one pointer per kernel parameter.
     ///
     /// # Safety

@@ -158,7 +158,10 @@ impl ExpertParallel {
                 count_smem,
                 &p,
             )?;
-            self.module.launch(kn.dispatch, &s, self.grid, 256, 0, &p)?;
+            // Behind count without a launch gap: dispatch loads its first rows while count
+            // runs and waits for it in griddepcontrol.wait (ep.cu).
+            self.module
+                .launch_dependent(kn.dispatch, &s, self.grid, 256, 0, &p)?;
             // One PE: dispatch wrote every expert-major row itself; nothing to expand.
             if self.place.ranks() > 1 {
                 self.module.launch(kn.expand, &s, self.grid, 256, 0, &p)?;

@@ -58,11 +58,10 @@ __device__ __forceinline__ uint4 scale_bf16x8(uint4 v, float w) {
 // warp slot) wrote its expert-major rows at ~2.7 TB/s.
 constexpr int kCopyUnroll = 8;
 
-// Copies one row of `n` 16-byte vectors from `src` into `n_dst` destinations with the whole
-// warp (a row feeding several experts is read once). Loads bypass L1 (`src` may have been
-// written by a peer GPU during the kernel).
-__device__ __forceinline__ void warp_copy_row_to(uint4* const* dst, int n_dst, const uint4* src, int n, int lane) {
-  int c = lane;
+// Copies vectors [c0 - lane, n) of one row (c0 = lane + a multiple of 32) into `n_dst`
+// destinations with the whole warp: warp_copy_row_to from c0.
+__device__ __forceinline__ void warp_copy_row_from(uint4* const* dst, int n_dst, const uint4* src, int n, int c0) {
+  int c = c0;
   for (; c + 32 * (kCopyUnroll - 1) < n; c += 32 * kCopyUnroll) {
     uint4 v[kCopyUnroll];
 #pragma unroll
@@ -76,6 +75,45 @@ __device__ __forceinline__ void warp_copy_row_to(uint4* const* dst, int n_dst, c
     const uint4 v = __ldcg(src + c);
     for (int j = 0; j < n_dst; ++j) dst[j][c] = v;
   }
+}
+
+// Copies one row of `n` 16-byte vectors from `src` into `n_dst` destinations with the whole
+// warp (a row feeding several experts is read once). Loads bypass L1 (`src` may have been
+// written by a peer GPU during the kernel).
+__device__ __forceinline__ void warp_copy_row_to(uint4* const* dst, int n_dst, const uint4* src, int n, int lane) {
+  warp_copy_row_from(dst, n_dst, src, n, lane);
+}
+
+// A row's head: its first kHeadVectors 16-byte vectors (4 KB, a whole row at hidden 2048),
+// copied into a warp's shared-memory buffer by cp.async before the row's destinations are
+// known (e.g. before a grid dependency resolves), so that its round trip overlaps whatever
+// comes between and holds no registers. Lane l copies, and later reads, vectors l, l + 32, ...
+// only: no warp barrier is needed between the two.
+constexpr int kHeadVectors = 32 * kCopyUnroll;
+
+__device__ __forceinline__ void load_row_head(uint4* head, const uint4* src, int n, int lane) {
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // an earlier head never waited for
+  for (int c = lane; c < kHeadVectors && c < n; c += 32) {
+    const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(head + c));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src + c) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// warp_copy_row_to with the row's head in `head` (load_row_head of the same `src`, by the
+// same warp): waits for the lane's head copies, stores them, then copies the rest.
+__device__ __forceinline__ void warp_copy_row_with_head(uint4* const* dst, int n_dst, const uint4* head,
+                                                        const uint4* src, int n, int lane) {
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int c = lane + 32 * u;
+    if (c < n) {
+      const uint4 v = head[c];
+      for (int j = 0; j < n_dst; ++j) dst[j][c] = v;
+    }
+  }
+  warp_copy_row_from(dst, n_dst, src, n, lane + kHeadVectors);
 }
 
 // warp_weighted_sum's loads in flight per lane: kRowBatch rows x kSumUnroll vectors

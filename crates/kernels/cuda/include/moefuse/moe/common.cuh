@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "moefuse/abi.h"
+#include "moefuse/common/pdl.cuh"
 
 extern "C" void moefuse_detail_set_error(const char* fmt, ...);
 
@@ -83,19 +84,8 @@ __device__ __forceinline__ double warp_max(double v) {
   return v;
 }
 
-// Programmatic dependent launch (sm_90+; no-ops for a grid launched without it): the
-// first lets the next kernel on the stream start early, the second waits until this
-// kernel's prerequisite grid has completed and its writes are visible.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisite() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch: common/pdl.cuh.
+using moefuse::allow_dependent_launch;
+using moefuse::wait_for_prerequisite;
 
 }  // namespace moefuse::moe

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The expert-parallel exchange's kernels against an older pack's, side by side, on the GPU
+# machine, from the repository root, with a device pack unpacked at PACK (default
+# /tmp/.device-pack) and, optionally, the pack before the change at BASE_PACK:
+#
+#   [BASE_PACK=DIR] benches/ep_ab.sh OUT_DIR [BUDGET_SECONDS]
+#
+# 1. the exchange's GPU suites (ep_gpu, ep_faults_gpu, pull_exchange_gpu, ep_layer_gpu: 1, 2
+#    and 4 PEs on this GPU);
+# 2. bench_ep at one PE (Qwen3-30B-A3B and DeepSeek-V3, 4096 tokens, top-8), arms "base"
+#    (when given), "as_built", "base" again and "as_built" again, JSON lines in
+#    OUT_DIR/ab/<arm>.jsonl and a side-by-side table in OUT_DIR/summary.txt;
+# 3. with time left, ncu of count and dispatch at one PE (OUT_DIR/ncu.txt).
+# Every step checks BUDGET_SECONDS (default 400) first. Logs: OUT_DIR/logs.tgz.
+set -u
+out=${1:?usage: benches/ep_ab.sh OUT_DIR [BUDGET_SECONDS]}
+budget=${2:-400}
+pack=${PACK:-/tmp/.device-pack}
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+logs=$(mktemp -d)
+summary=$out/summary.txt
+mkdir -p "$out/ab"
+left() { echo $((budget - ($(date +%s) - t0))); }
+say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
+say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+[ -n "${BASE_PACK:-}" ] && say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
+OUT=$logs/tests timeout 180 "$pack/run.sh" test ep >>"$summary" 2>&1
+say "exchange suites: exit $?"
+arms="as_built again"
+[ -n "${BASE_PACK:-}" ] && arms="base as_built base_again again"
+for arm in $arms; do
+  case $arm in base*) p=$BASE_PACK ;; *) p=$pack ;; esac
+  if [ "$(left)" -lt 60 ]; then say "bench_ep $arm skipped: out of time"; continue; fi
+  mkdir -p "$logs/$arm"
+  timeout $(($(left) - 30)) "$p/run.sh" bench_ep --out "$logs/$arm" --samples 30 >"$logs/$arm.log" 2>&1
+  say "bench_ep $arm: exit $?"
+  cp "$logs/$arm/dispatch_combine.jsonl" "$out/ab/$arm.jsonl" 2>/dev/null
+done
+python3 - "$out/ab" $arms >>"$summary" <<'PY'
+import json, os, sys
+d, arms = sys.argv[1], sys.argv[2:]
+rows = {}
+for a in arms:
+    path = os.path.join(d, a + ".jsonl")
+    if not os.path.exists(path):
+        continue
+    for line in open(path):
+        r = json.loads(line)
+        if r.get("backend") == "moefuse":
+            rows.setdefault(r["case"], {})[a] = (r["median_us"], r["iqr_us"])
+print("case | " + " | ".join(arms))
+for case, v in rows.items():
+    print(case + " | " + " | ".join("%.1f [%.1f]" % v[a] if a in v else "-" for a in arms))
+PY
+if [ "$(left)" -gt 60 ]; then
+  OUT=$logs/ncu NCU_SKIP=2 NCU_COUNT=4 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats" \
+    timeout $(($(left) - 15)) "$pack/run.sh" ncu 'moefuse_ep_(count|dispatch)' bench_ep --samples 3 --out "$logs/ncu_b" \
+    >"$out/ncu.txt" 2>&1
+  say "ncu: exit $?"
+fi
+tar -czf "$out/logs.tgz" -C "$logs" --exclude='*.ncu-rep' .
+cat "$summary"
