@@ -10,7 +10,7 @@
 # 2. bench_ep at one PE (Qwen3-30B-A3B and DeepSeek-V3, 4096 tokens, top-8), arms "base"
 #    (when given), "as_built", "base" again and "as_built" again, JSON lines in
 #    OUT_DIR/ab/<arm>.jsonl and a side-by-side table in OUT_DIR/summary.txt;
-# 3. with time left, ncu of count and dispatch at one PE (OUT_DIR/ncu.txt).
+# 3. with time left, ncu of count, dispatch and combine_send at one PE (OUT_DIR/ncu.txt).
 # Every step checks BUDGET_SECONDS (default 400) first. Logs: OUT_DIR/logs.tgz.
 set -u
 out=${1:?usage: benches/ep_ab.sh OUT_DIR [BUDGET_SECONDS]}
@@ -54,8 +54,8 @@ for case, v in rows.items():
     print(case + " | " + " | ".join("%.1f [%.1f]" % v[a] if a in v else "-" for a in arms))
 PY
 if [ "$(left)" -gt 60 ]; then
-  OUT=$logs/ncu NCU_SKIP=2 NCU_COUNT=4 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats" \
-    timeout $(($(left) - 15)) "$pack/run.sh" ncu 'moefuse_ep_(count|dispatch)' bench_ep --samples 3 --out "$logs/ncu_b" \
+  OUT=$logs/ncu NCU_SKIP=2 NCU_COUNT=6 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats" \
+    timeout $(($(left) - 15)) "$pack/run.sh" ncu 'moefuse_ep_(count|dispatch|combine_send)' bench_ep --samples 3 --out "$logs/ncu_b" \
     >"$out/ncu.txt" 2>&1
   say "ncu: exit $?"
 fi
