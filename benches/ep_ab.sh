@@ -54,7 +54,7 @@ for case, v in rows.items():
     print(case + " | " + " | ".join("%.1f [%.1f]" % v[a] if a in v else "-" for a in arms))
 PY
 if [ "$(left)" -gt 60 ]; then
-  OUT=$logs/ncu NCU_SKIP=2 NCU_COUNT=6 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats" \
+  OUT=$logs/ncu NCU_SKIP=2 NCU_COUNT=6 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats SourceCounters" \
     timeout $(($(left) - 15)) "$pack/run.sh" ncu 'moefuse_ep_(count|dispatch|combine_send)' bench_ep --samples 3 --out "$logs/ncu_b" \
     >"$out/ncu.txt" 2>&1
   say "ncu: exit $?"
