@@ -95,6 +95,33 @@ __global__ void stream_pieces_kernel(const uint4* __restrict__ p, size_t n, unsi
   if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
+// The decode gate_up's access pattern without its MMAs: units of 16 rows of 4 KB (hidden
+// 2048, bf16) dealt round-robin over the blocks; each of a block's 8 warps reads its eighth of
+// K (512 B) of the unit's 16 rows, lane (g, t) 16 bytes at row g (and g + 8), column 64 B c +
+// 16 B t, all 16 loads before the first use: 8 rows x 64 B per load instruction.
+template <bool kWait>
+__global__ void stream_units_kernel(const uint4* __restrict__ p, size_t n, unsigned* sink) {
+  if (kWait) pdl_wait();
+  pdl_trigger();
+  constexpr int kRowVectors = 4096 / 16, kUnitVectors = 16 * kRowVectors;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const size_t units = n / kUnitVectors;
+  uint32_t acc = 0;
+  for (size_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const uint4* lo = p + u * kUnitVectors + size_t(g) * kRowVectors + warp * 32 + t;
+    const uint4* hi = lo + 8 * kRowVectors;
+    uint4 v[16];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      v[2 * c] = load_stream(lo + 4 * c);
+      v[2 * c + 1] = load_stream(hi + 4 * c);
+    }
+#pragma unroll
+    for (int c = 0; c < 16; ++c) acc ^= v[c].x ^ v[c].y ^ v[c].z ^ v[c].w;
+  }
+  if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
+}
+
 struct Launch {
   const void* fn;
   int grid, block;
@@ -212,6 +239,8 @@ int main(int argc, char** argv) {
   }
   run_case("stream 75.5 MB: one kernel, 8 KiB warp pieces", s,
            {{f(stream_pieces_kernel<false>), 2 * sms, 256, 0, true, 0, region}}, pool, region, sink, samples);
+  run_case("stream 50.3 MB: the gate_up's unit pattern, 2xSMs x 256", s,
+           {{f(stream_units_kernel<false>), 2 * sms, 256, 0, true, 0, gate_up}}, pool, region, sink, samples);
   run_case("stream 50.3 MB: gate_up share alone", s,
            {{f(stream_kernel<8, false>), 2 * sms, 256, 0, true, 0, gate_up}}, pool, region, sink, samples);
   run_case("stream 25.2 MB: down share alone", s,
