@@ -573,6 +573,23 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
 }
 
 // ---- combine_send: grid G, block 256 --------------------------------------------------
+// A staged row's routing (its slots' expert-major rows and weights, and its token) is
+// loaded one row ahead: a warp issues the next row's loads before summing the current one,
+// so its next sum starts without their round trip.
+struct StagedRouting {
+  int row;     // lane < k: the slot's expert-major row here, or -1
+  float w;     // lane < k: the slot's weight
+  int token;   // the staged row's token (its home index)
+
+  __device__ __forceinline__ void load(const moefuse_ep_params& p, int i, int lane) {
+    const int k = p.top_k;
+    const int32_t* info = p.stage_info + size_t(i) * (k + 1);
+    row = lane < k ? __ldcg(info + lane) : -1;
+    w = lane < k ? __ldcg(p.stage_w + size_t(i) * k + lane) : 0.f;
+    token = __ldcg(info + k);
+  }
+};
+
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_send(moefuse_ep_params p) {
   __shared__ PeerTable peers;
   __shared__ const uint4* y_rows[kWarps][kMaxTopK];
@@ -580,20 +597,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_sen
   const uint64_t epoch = *p.epoch;
   if (skip_send(p, epoch)) return;
   fill_peers(peers, p);
-  const int C = row_width(p), k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int C = row_width(p), D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int staged = p.src_base[p.ranks];
   const int warps = gridDim.x * kWarps;
-  for (int i = blockIdx.x * kWarps + warp; i < staged; i += warps) {
-    const int32_t* info = p.stage_info + size_t(i) * (k + 1);
-    int row = lane < k ? __ldcg(info + lane) : -1;
-    if (row >= p.recv_rows_cap) row = -1;  // flagged by expand
+  int i = blockIdx.x * kWarps + warp;
+  StagedRouting next;
+  if (i < staged) next.load(p, i, lane);
+  for (; i < staged; i += warps) {
+    const StagedRouting cur = next;
+    const int row = cur.row < p.recv_rows_cap ? cur.row : -1;  // flagged by expand
     const unsigned valid = __ballot_sync(~0u, row >= 0);
     if (row >= 0) {
       const int at = __popc(valid & ((1u << lane) - 1));
       y_rows[warp][at] = reinterpret_cast<const uint4*>(p.y + size_t(row) * D);
-      y_w[warp][at] = __ldcg(p.stage_w + size_t(i) * k + lane);
+      y_w[warp][at] = cur.w;
     }
     __syncwarp();
+    if (i + warps < staged) next.load(p, i + warps, lane);
     const int n_rows = __popc(valid);
     const int src = source_of(p, i);
     // Where the source keeps this destination's partials: after those of lower ranks.
@@ -602,7 +622,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_sen
     uint16_t* peer = peers.comb_x[src];
     uint4* target = reinterpret_cast<uint4*>(peer ? peer + size_t(at) * D : p.stage_x + size_t(i) * D);
     // One PE: the partial is the token's whole output (what combine_reduce would copy).
-    if (p.ranks == 1) target = reinterpret_cast<uint4*>(p.out + size_t(__ldcg(info + k)) * D);
+    if (p.ranks == 1) target = reinterpret_cast<uint4*>(p.out + size_t(cur.token) * D);
     warp_weighted_sum(y_rows[warp], y_w[warp], n_rows, target, D / 8, lane);
     if (!peer) {
       // The staged row is no longer needed: it held the partial; put it to the source.
