@@ -9,10 +9,9 @@
 // a pool larger than L2) launched back to back per event pair, median [IQR] of the per-graph
 // time over the samples.
 //
-// Build (the project's toolchain; no Rust, no CUTLASS), then run on the GPU machine:
-//   ~/.cache/moefuse/toolchain/ext/nvidia/cu13/bin/nvcc -O3 -std=c++17 -arch=sm_90a \
-//     benches/cuda/decode_floor.cu -o decode_floor
-//   ./decode_floor [samples]        # one line per case: name, median µs, IQR, TB/s
+// Built by `cargo xtask device-pack` (every benches/cuda/*.cu, with the toolchain's nvcc,
+// for the first SM target; `--only decode_floor` for it alone), run on the GPU machine as
+//   .device-pack/run.sh decode_floor [samples]   # one line per case: median µs, IQR, TB/s
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -67,6 +67,8 @@ pub fn run(sm: &str, only: &str) -> Result<()> {
             shared_library("moefuse-bench-capi", sm)?,
         ));
     }
+    let mut bins = bins;
+    bins.extend(cuda_programs(sm, &keep)?);
     let mut size = 0;
     for (dir, list) in [("tests", &tests), ("bin", &bins), ("lib", &libs)] {
         for (name, exe) in list {
@@ -130,6 +132,51 @@ pub fn run(sm: &str, only: &str) -> Result<()> {
          \"tar -xJf .device-pack.tar.xz -C /tmp && /tmp/.device-pack/run.sh all\""
     );
     Ok(())
+}
+
+/// The standalone CUDA programs of `benches/cuda/` (measurements below the library, e.g.
+/// `decode_floor`: launch and streaming floors), each built by the toolchain's nvcc for the
+/// first target of `sm` into `target/cuda-programs/<name>`; `(name, path)` of those `keep`
+/// accepts.
+fn cuda_programs(sm: &str, keep: &dyn Fn(&str) -> bool) -> Result<Vec<(String, PathBuf)>> {
+    let dir = root().join("benches/cuda");
+    let Ok(entries) = fs::read_dir(&dir) else {
+        return Ok(Vec::new());
+    };
+    let mut sources: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    sources.sort();
+    let arch = sm.split(',').next().unwrap_or("90a").trim();
+    let out_dir = root().join("target/cuda-programs");
+    fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
+    let tc = moefuse_kernel_build::Toolchain::discover().map_err(|e| e.to_string())?;
+    let mut built = Vec::new();
+    for src in sources {
+        let name = src
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        if !keep(&name) {
+            continue;
+        }
+        let exe = out_dir.join(&name);
+        let status = Command::new(tc.nvcc())
+            .args(["-O3", "-std=c++17", &format!("-arch=sm_{arch}")])
+            .arg(format!("-L{}", tc.cuda_lib_dir().display()))
+            .arg(&src)
+            .arg("-o")
+            .arg(&exe)
+            .status()
+            .map_err(|e| format!("{}: {e}", tc.nvcc().display()))?;
+        if !status.success() {
+            return Err(format!("nvcc failed on {}", src.display()));
+        }
+        built.push((name, exe));
+    }
+    Ok(built)
 }
 
 /// Builds `package`'s cdylib in release mode and returns the `.so`'s path.

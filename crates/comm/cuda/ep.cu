@@ -12,7 +12,10 @@
 //   dispatch        G           each routed token once per destination into its staging row,
 //                               with its slots' expert-major rows, weights and token id; for
 //                               this rank itself straight into the expert-major rows (no
-//                               staging copy: only the row's info and weights are staged)
+//                               staging copy: only the row's info and weights are staged);
+//                               launched programmatically behind count (its first rows load
+//                               while count runs; griddepcontrol.wait before reading count's
+//                               results)
 //   expand          G           (more than one PE) waits for every source; the other sources'
 //                               staged rows -> expert-major recv_x
 //
