@@ -10,7 +10,8 @@
 # 2. bench_ep at one PE (Qwen3-30B-A3B and DeepSeek-V3, 4096 tokens, top-8), arms "base"
 #    (when given), "as_built", "base" again and "as_built" again, JSON lines in
 #    OUT_DIR/ab/<arm>.jsonl and a side-by-side table in OUT_DIR/summary.txt;
-# 3. with time left, ncu of count, dispatch and combine_send at one PE (OUT_DIR/ncu.txt).
+# 3. with time left, ncu of count, dispatch and combine_send at one PE, the base pack's
+#    first (OUT_DIR/ncu_<arm>.txt; per-SASS-line stall samples in logs.tgz).
 # Every step checks BUDGET_SECONDS (default 400) first. Logs: OUT_DIR/logs.tgz.
 set -u
 out=${1:?usage: benches/ep_ab.sh OUT_DIR [BUDGET_SECONDS]}
@@ -53,11 +54,17 @@ print("case | " + " | ".join(arms))
 for case, v in rows.items():
     print(case + " | " + " | ".join("%.1f [%.1f]" % v[a] if a in v else "-" for a in arms))
 PY
-if [ "$(left)" -gt 60 ]; then
-  OUT=$logs/ncu NCU_SKIP=2 NCU_COUNT=6 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats SourceCounters" \
-    timeout $(($(left) - 15)) "$pack/run.sh" ncu 'moefuse_ep_(count|dispatch|combine_send)' bench_ep --samples 3 --out "$logs/ncu_b" \
-    >"$out/ncu.txt" 2>&1
-  say "ncu: exit $?"
-fi
+# ncu of both packs' kernels (the base first, when given), each while time is left.
+ncu_arms="as_built"
+[ -n "${BASE_PACK:-}" ] && ncu_arms="base as_built"
+for arm in $ncu_arms; do
+  case $arm in base) p=$BASE_PACK ;; *) p=$pack ;; esac
+  if [ "$(left)" -lt 60 ]; then say "ncu $arm skipped: out of time"; continue; fi
+  OUT=$logs/ncu_$arm NCU_SKIP=2 NCU_COUNT=6 \
+    NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats SourceCounters" \
+    timeout $(($(left) - 15)) "$p/run.sh" ncu 'moefuse_ep_(count|dispatch|combine_send)' bench_ep --samples 3 \
+    --out "$logs/ncu_b_$arm" >"$out/ncu_$arm.txt" 2>&1
+  say "ncu $arm: exit $?"
+done
 tar -czf "$out/logs.tgz" -C "$logs" --exclude='*.ncu-rep' .
 cat "$summary"
