@@ -22,13 +22,7 @@ out=${1:?usage: benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]}
 budget=${2:-500}
 pack=${PACK:-/tmp/.device-pack}
 cd "$(dirname "$0")/.."
-t0=$(date +%s)
-logs=$(mktemp -d)
-summary=$out/summary.txt
-mkdir -p "$out"
-left() { echo $((budget - ($(date +%s) - t0))); }
-say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
-say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+. benches/budget.sh
 OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
 say "decode_gpu done"
 # The arms: "base" (BASE_PACK's kernels, when given), this pack's, and this pack's again last

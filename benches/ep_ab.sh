@@ -18,13 +18,8 @@ out=${1:?usage: benches/ep_ab.sh OUT_DIR [BUDGET_SECONDS]}
 budget=${2:-400}
 pack=${PACK:-/tmp/.device-pack}
 cd "$(dirname "$0")/.."
-t0=$(date +%s)
-logs=$(mktemp -d)
-summary=$out/summary.txt
+. benches/budget.sh
 mkdir -p "$out/ab"
-left() { echo $((budget - ($(date +%s) - t0))); }
-say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
-say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
 [ -n "${BASE_PACK:-}" ] && say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
 OUT=$logs/tests timeout 180 "$pack/run.sh" test ep >>"$summary" 2>&1
 say "exchange suites: exit $?"

@@ -19,15 +19,8 @@ budget=${2:-540}
 shift $(($# >= 2 ? 2 : 1))
 pack=${PACK:-/tmp/.device-pack}
 cd "$(dirname "$0")/.."
-t0=$(date +%s)
-logs=$(mktemp -d)
-summary=$out/summary.txt
-mkdir -p "$out" "$logs/b"
-left() { echo $((budget - ($(date +%s) - t0))); }
-say() { echo "[t+$(($(date +%s) - t0))s] $*" >>"$summary"; }
-# The torch rows carry the pack's commit, as the pack's own benches do.
-export MOEFUSE_COMMIT=${MOEFUSE_COMMIT:-$(cat "$pack/COMMIT" 2>/dev/null || echo unknown)}
-say "pack $(cat "$pack/COMMIT" 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+. benches/budget.sh
+mkdir -p "$logs/b"
 for filter in "$@"; do
   if [ "$(left)" -lt 200 ]; then say "tests $filter skipped: out of time"; continue; fi
   OUT=$logs/t_$filter timeout 150 "$pack/run.sh" test "$filter" >>"$summary" 2>&1

@@ -20,6 +20,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "moefuse/moe/decode_mma.cuh"
+
 #define CHECK(x)                                                                       \
   do {                                                                                 \
     cudaError_t e_ = (x);                                                              \
@@ -32,12 +34,9 @@
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
+// The decode kernels' own weight load (ld.global.nc, no L1 allocation, 256-byte L2 fetch).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+  return moefuse::moe::decode::load_stream(reinterpret_cast<const uint16_t*>(p));
 }
 
 // kWait: griddepcontrol.wait before anything (the dependent kernel of a pair).

@@ -135,7 +135,8 @@ pub fn run(sm: &str, only: &str) -> Result<()> {
 }
 
 /// The standalone CUDA programs of `benches/cuda/` (measurements below the library, e.g.
-/// `decode_floor`: launch and streaming floors), each built by the toolchain's nvcc for the
+/// `decode_floor`: launch and streaming floors; they may include the kernels' headers),
+/// each built by the toolchain's nvcc for the
 /// first target of `sm` into `target/cuda-programs/<name>`; `(name, path)` of those `keep`
 /// accepts.
 fn cuda_programs(sm: &str, keep: &dyn Fn(&str) -> bool) -> Result<Vec<(String, PathBuf)>> {
@@ -166,6 +167,10 @@ fn cuda_programs(sm: &str, keep: &dyn Fn(&str) -> bool) -> Result<Vec<(String, P
         let status = Command::new(tc.nvcc())
             .args(["-O3", "-std=c++17", &format!("-arch=sm_{arch}")])
             .arg(format!("-L{}", tc.cuda_lib_dir().display()))
+            .arg(format!(
+                "-I{}",
+                root().join("crates/kernels/cuda/include").display()
+            ))
             .arg(&src)
             .arg("-o")
             .arg(&exe)

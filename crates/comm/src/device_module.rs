@@ -34,6 +34,14 @@ unsafe impl Send for DeviceModule {}
 // SAFETY: as above; launches only read the handle.
 unsafe impl Sync for DeviceModule {}
 
+/// A 1-D launch's grid and block sizes and its dynamic shared memory bytes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LaunchShape {
+    pub grid: u32,
+    pub block: u32,
+    pub smem: u32,
+}
+
 /// One kernel of a [`DeviceModule`], valid while the module lives.
 #[derive(Clone, Copy)]
 pub(crate) struct Kernel(sys::CUfunction);
@@ -124,11 +132,10 @@ impl DeviceModule {
         &self,
         kernel: Kernel,
         stream: &CudaStream,
-        grid: u32,
-        block: u32,
-        smem: u32,
+        shape: LaunchShape,
         args: &A,
     ) -> Result<(), CommError> {
+        let LaunchShape { grid, block, smem } = shape;
         let mut params = [args as *const A as *mut c_void];
         // SAFETY: an all-zero CUlaunchAttribute is a valid value of the C union; the id and
         // the one field it selects are set below.

@@ -3,6 +3,7 @@
 use super::params::{self, EpParams, ABORT_COMBINE, ABORT_DISPATCH};
 use super::pulled::PullDispatch;
 use super::{cuda, ExpertParallel};
+use crate::device_module::LaunchShape;
 use crate::{Capacity, CommError};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -160,8 +161,12 @@ impl ExpertParallel {
             )?;
             // Behind count without a launch gap: dispatch loads its first rows while count
             // runs and waits for it in griddepcontrol.wait (ep.cu).
-            self.module
-                .launch_dependent(kn.dispatch, &s, self.grid, 256, 0, &p)?;
+            let shape = LaunchShape {
+                grid: self.grid,
+                block: 256,
+                smem: 0,
+            };
+            self.module.launch_dependent(kn.dispatch, &s, shape, &p)?;
             // One PE: dispatch wrote every expert-major row itself; nothing to expand.
             if self.place.ranks() > 1 {
                 self.module.launch(kn.expand, &s, self.grid, 256, 0, &p)?;
