@@ -697,16 +697,28 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_slo
   if (!wait_all(p, p.comb_sig, epoch, MOEFUSE_EP_OP_COMBINE)) return;
   const int k = p.top_k, D = p.hidden, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warps = gridDim.x * kWarps;
-  for (int t = blockIdx.x * kWarps + warp; t < p.tokens; t += warps) {
-    const int e = lane < k ? p.topk_ids[size_t(t) * k + lane] : -1;
+  // A token's routing is loaded one token ahead (as in combine_send): the next token's ids
+  // and weights are in flight while the current token's slots are summed.
+  int next_e = -1;
+  float next_w = 1.f;
+  auto load_routing = [&](int tok) {
+    next_e = lane < k ? p.topk_ids[size_t(tok) * k + lane] : -1;
+    next_w = lane < k && p.topk_weights != nullptr ? p.topk_weights[size_t(tok) * k + lane] : 1.f;
+  };
+  int t = blockIdx.x * kWarps + warp;
+  if (t < p.tokens) load_routing(t);
+  for (; t < p.tokens; t += warps) {
+    const int e = next_e;
+    const float w = next_w;
     const bool valid = e >= 0 && e < p.experts;
     const unsigned mask = __ballot_sync(~0u, valid);
     if (valid) {
       const int at = __popc(mask & ((1u << lane) - 1));
       rows[warp][at] = reinterpret_cast<const uint4*>(p.y_slots + (size_t(t) * k + lane) * D);
-      ws[warp][at] = p.topk_weights != nullptr ? p.topk_weights[size_t(t) * k + lane] : 1.f;
+      ws[warp][at] = w;
     }
     __syncwarp();
+    if (t + warps < p.tokens) load_routing(t + warps);
     warp_weighted_sum(rows[warp], ws[warp], __popc(mask), reinterpret_cast<uint4*>(p.out + size_t(t) * D), D / 8,
                       lane);
     __syncwarp();
