@@ -532,6 +532,23 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_dispatch(moefu
   last_block_signals(p, p.done + 0, p.disp_sig, epoch);
 }
 
+// A staged row's routing (its slots' expert-major rows and weights, and its token), loaded
+// one row ahead by expand and combine_send: a warp issues the next row's loads before it
+// works on the current one, so its next row starts without their round trip.
+struct StagedRouting {
+  int row;     // lane < k: the slot's expert-major row here, or -1
+  float w;     // lane < k: the slot's weight
+  int token;   // the staged row's token (its home index)
+
+  __device__ __forceinline__ void load(const moefuse_ep_params& p, int i, int lane) {
+    const int k = p.top_k;
+    const int32_t* info = p.stage_info + size_t(i) * (k + 1);
+    row = lane < k ? __ldcg(info + lane) : -1;
+    w = lane < k ? __ldcg(p.stage_w + size_t(i) * k + lane) : 0.f;
+    token = __ldcg(info + k);
+  }
+};
+
 // ---- expand: grid G, block 256 --------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse_ep_params p) {
   __shared__ uint4* dst_rows[kWarps][kMaxTopK];
@@ -547,11 +564,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
   const int staged = p.src_base[p.ranks];
   const int own0 = p.src_base[p.rank], own1 = p.src_base[p.rank + 1];  // dispatch expanded these
   const int warps = gridDim.x * kWarps;
-  for (int i = blockIdx.x * kWarps + warp; i < staged; i += warps) {
+  int i = blockIdx.x * kWarps + warp;
+  StagedRouting next;
+  if (i < staged) next.load(p, i, lane);
+  for (; i < staged; i += warps) {
+    const StagedRouting cur = next;
+    if (i + warps < staged) next.load(p, i + warps, lane);
     if (i >= own0 && i < own1) continue;
-    const int32_t* info = p.stage_info + size_t(i) * (k + 1);
     // Lane j < k: slot j's expert-major row here (or -1); compact the valid ones.
-    int row = lane < k ? __ldcg(info + lane) : -1;
+    int row = cur.row;
     if (row >= p.recv_rows_cap) {
       flag(p, MOEFUSE_EP_RECV_OVERFLOW);
       row = -1;
@@ -560,8 +581,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
     if (row >= 0) {
       const int slot = lane;
       dst_rows[warp][__popc(valid & ((1u << lane) - 1))] = reinterpret_cast<uint4*>(p.recv_x + size_t(row) * D);
-      p.recv_w[row] = __ldcg(p.stage_w + size_t(i) * k + slot);
-      const int s = source_of(p, i), t = __ldcg(info + k);
+      p.recv_w[row] = cur.w;
+      const int s = source_of(p, i), t = cur.token;
       p.recv_origin[3 * size_t(row) + 0] = s;
       p.recv_origin[3 * size_t(row) + 1] = t;
       p.recv_origin[3 * size_t(row) + 2] = slot;
@@ -579,23 +600,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) moefuse_ep_expand(moefuse
 }
 
 // ---- combine_send: grid G, block 256 --------------------------------------------------
-// A staged row's routing (its slots' expert-major rows and weights, and its token) is
-// loaded one row ahead: a warp issues the next row's loads before summing the current one,
-// so its next sum starts without their round trip.
-struct StagedRouting {
-  int row;     // lane < k: the slot's expert-major row here, or -1
-  float w;     // lane < k: the slot's weight
-  int token;   // the staged row's token (its home index)
-
-  __device__ __forceinline__ void load(const moefuse_ep_params& p, int i, int lane) {
-    const int k = p.top_k;
-    const int32_t* info = p.stage_info + size_t(i) * (k + 1);
-    row = lane < k ? __ldcg(info + lane) : -1;
-    w = lane < k ? __ldcg(p.stage_w + size_t(i) * k + lane) : 0.f;
-    token = __ldcg(info + k);
-  }
-};
-
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moefuse_ep_combine_send(moefuse_ep_params p) {
   __shared__ PeerTable peers;
   __shared__ const uint4* y_rows[kWarps][kMaxTopK];
