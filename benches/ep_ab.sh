@@ -21,8 +21,10 @@ cd "$(dirname "$0")/.."
 . benches/budget.sh
 mkdir -p "$out/ab"
 [ -n "${BASE_PACK:-}" ] && say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
-OUT=$logs/tests timeout 180 "$pack/run.sh" test ep >>"$summary" 2>&1
-say "exchange suites: exit $?"
+for suite in ep pull_exchange; do
+  OUT=$logs/tests_$suite timeout 150 "$pack/run.sh" test $suite >>"$summary" 2>&1
+  say "exchange suites *$suite*: exit $?"
+done
 arms="as_built again"
 [ -n "${BASE_PACK:-}" ] && arms="base as_built base_again again"
 for arm in $arms; do
