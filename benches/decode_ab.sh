@@ -20,9 +20,7 @@
 set -u
 out=${1:?usage: benches/decode_ab.sh OUT_DIR [BUDGET_SECONDS]}
 budget=${2:-500}
-pack=${PACK:-/tmp/.device-pack}
-cd "$(dirname "$0")/.."
-. benches/budget.sh
+. "$(dirname "$0")/budget.sh"
 OUT=$logs/tests timeout 120 "$pack/run.sh" test decode >>"$summary" 2>&1
 say "decode_gpu done"
 # The arms: "base" (BASE_PACK's kernels, when given), this pack's, and this pack's again last

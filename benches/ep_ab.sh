@@ -16,9 +16,7 @@
 set -u
 out=${1:?usage: benches/ep_ab.sh OUT_DIR [BUDGET_SECONDS]}
 budget=${2:-400}
-pack=${PACK:-/tmp/.device-pack}
-cd "$(dirname "$0")/.."
-. benches/budget.sh
+. "$(dirname "$0")/budget.sh"
 mkdir -p "$out/ab"
 [ -n "${BASE_PACK:-}" ] && say "base pack $(cat "$BASE_PACK/COMMIT" 2>/dev/null)"
 for suite in ep pull_exchange; do

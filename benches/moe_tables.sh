@@ -17,9 +17,7 @@ set -u
 out=${1:?usage: benches/moe_tables.sh OUT_DIR [BUDGET_SECONDS] [TEST_FILTER...]}
 budget=${2:-540}
 shift $(($# >= 2 ? 2 : 1))
-pack=${PACK:-/tmp/.device-pack}
-cd "$(dirname "$0")/.."
-. benches/budget.sh
+. "$(dirname "$0")/budget.sh"
 mkdir -p "$logs/b"
 for filter in "$@"; do
   if [ "$(left)" -lt 200 ]; then say "tests $filter skipped: out of time"; continue; fi
