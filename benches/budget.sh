@@ -1,10 +1,10 @@
 # Sourced by the device-call scripts (decode_ab.sh, ep_ab.sh, moe_tables.sh) once they have
-# set `out` (the output folder) and `budget` (seconds): `pack` (PACK, default
-# /tmp/.device-pack), the repository root as the working folder, the call's clock, a scratch
-# folder `logs`, the summary file,
-# `left` (seconds of the budget left) and `say` (a timestamped summary line), then the pack's
-# commit and card as the summary's first line. The torch rows the scripts write carry the
-# pack's commit (MOEFUSE_COMMIT), as the pack's own benches do.
+# set `out` (the output folder) and `budget` (seconds): sets `pack` (PACK, default
+# /tmp/.device-pack), moves to the repository root, and defines the call's clock, a scratch
+# folder `logs`, the summary file, `left` (seconds of the budget left) and `say` (a
+# timestamped summary line); the summary's first line names the pack's commit and the card.
+# The torch rows the scripts write carry the pack's commit (MOEFUSE_COMMIT), as the pack's
+# own benches do.
 pack=${PACK:-/tmp/.device-pack}
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 t0=$(date +%s)

@@ -39,7 +39,7 @@ pub fn run(sm: &str, only: &str) -> Result<()> {
         .filter(|(name, _)| name.ends_with("_gpu-test") || name == "version-test")
         .filter(|(name, _)| keep(name))
         .collect();
-    let bins = artifacts(
+    let mut bins = artifacts(
         &[
             "build",
             "--release",
@@ -67,7 +67,6 @@ pub fn run(sm: &str, only: &str) -> Result<()> {
             shared_library("moefuse-bench-capi", sm)?,
         ));
     }
-    let mut bins = bins;
     bins.extend(cuda_programs(sm, &keep)?);
     let mut size = 0;
     for (dir, list) in [("tests", &tests), ("bin", &bins), ("lib", &libs)] {
@@ -135,19 +134,27 @@ pub fn run(sm: &str, only: &str) -> Result<()> {
 }
 
 /// The standalone CUDA programs of `benches/cuda/` (measurements below the library, e.g.
-/// `decode_floor`: launch and streaming floors; they may include the kernels' headers),
-/// each built by the toolchain's nvcc for the
-/// first target of `sm` into `target/cuda-programs/<name>`; `(name, path)` of those `keep`
-/// accepts.
+/// `decode_floor`: launch and streaming floors; they may include the kernels' headers) that
+/// `keep` accepts, each built by the toolchain's nvcc for the first target of `sm` into
+/// `target/cuda-programs/<name>`: their `(name, path)`.
 fn cuda_programs(sm: &str, keep: &dyn Fn(&str) -> bool) -> Result<Vec<(String, PathBuf)>> {
     let dir = root().join("benches/cuda");
     let Ok(entries) = fs::read_dir(&dir) else {
         return Ok(Vec::new());
     };
+    let name_of = |p: &PathBuf| {
+        p.file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string()
+    };
     let mut sources: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .filter(|p| p.extension().is_some_and(|e| e == "cu") && keep(&name_of(p)))
         .collect();
+    if sources.is_empty() {
+        return Ok(Vec::new());
+    }
     sources.sort();
     let arch = sm.split(',').next().unwrap_or("90a").trim();
     let out_dir = root().join("target/cuda-programs");
@@ -155,14 +162,7 @@ fn cuda_programs(sm: &str, keep: &dyn Fn(&str) -> bool) -> Result<Vec<(String, P
     let tc = moefuse_kernel_build::Toolchain::discover().map_err(|e| e.to_string())?;
     let mut built = Vec::new();
     for src in sources {
-        let name = src
-            .file_stem()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .to_string();
-        if !keep(&name) {
-            continue;
-        }
+        let name = name_of(&src);
         let exe = out_dir.join(&name);
         let status = Command::new(tc.nvcc())
             .args(["-O3", "-std=c++17", &format!("-arch=sm_{arch}")])
